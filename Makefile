@@ -1,0 +1,37 @@
+# Build, test and run asynccache. Everything installs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is installed first so that nothing later pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test lint typecheck demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check asynccache tests examples benchmarks
+	$(VENV)/bin/ruff format --check asynccache tests examples benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+demo: install
+	$(PY) examples/demo.py
+
+bench: install
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info

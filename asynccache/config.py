@@ -1,0 +1,138 @@
+"""Settings: one frozen dataclass, read from ``ASYNCCACHE_*`` in one place.
+
+Precedence: keyword argument > environment variable > default. :meth:`Settings.from_env`
+is the only code in the package that reads ``os.environ``; everything else receives a
+``Settings`` (or an explicit mapping such as ``Settings.aws_env``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+PREFIX = "ASYNCCACHE_"
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+                  "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+                  "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "asynccache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tuning knobs. Every field is ``ASYNCCACHE_<FIELD NAME IN CAPITALS>`` in the environment.
+
+    Sizes accept suffixes (``64MiB``, ``8M``, ``1G``); booleans accept 1/0, true/false,
+    yes/no, on/off.
+    """
+
+    cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
+    max_cache_bytes: int = 50 << 30
+    max_concurrency: int = 16
+    prefetch_chunks: int = 4
+    part_bytes: int = 32 << 20
+    retries: int = 5
+    timeout_s: float = 60.0
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 10.0
+    log_level: str = "WARNING"
+    progress: bool = True
+    verify_tls: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_cache_bytes", "part_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_concurrency",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{_var(name)} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("prefetch_chunks", "retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{_var(name)} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"{_var('log_level')} must be one of {_LOG_LEVELS}, "
+                              f"got {self.log_level!r}")
+        object.__setattr__(self, "log_level", self.log_level.upper())
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``environ`` (default ``os.environ``), then apply ``overrides``.
+
+        Keyword overrides that are ``None`` are ignored, so callers can pass their own
+        optional arguments straight through.
+
+        Raises:
+            ConfigError: a variable has a value of the wrong type or range; the message
+                names the variable.
+        """
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(PREFIX):
+                continue
+            name = key[len(PREFIX):].lower()
+            if name not in fields:
+                warnings.warn(f"unknown setting {key} is ignored (known: "
+                              f"{', '.join(sorted(_var(n) for n in fields))})", stacklevel=2)
+                continue
+            values[name] = _parse(name, fields[name].type, raw)
+        for name, value in overrides.items():
+            if name not in fields:
+                raise ConfigError(f"unknown setting {name!r}")
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+    @staticmethod
+    def aws_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The ``AWS_*`` variables (endpoint, region), read here so backends never touch env."""
+        env = os.environ if environ is None else environ
+        return {k: v for k, v in env.items() if k.startswith("AWS_")}
+
+
+def _var(name: str) -> str:
+    return PREFIX + name.upper()
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864. Raises ValueError on anything else."""
+    s = text.strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = s[len(num):].strip()
+    if suffix not in _SIZE_SUFFIXES or not num:
+        raise ValueError(text)
+    return int(float(num) * _SIZE_SUFFIXES[suffix])
+
+
+def _parse(name: str, typ: Any, raw: str) -> Any:
+    typ = str(typ)
+    try:
+        if typ == "bool":
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(raw)
+        if typ == "int":
+            return parse_size(raw) if name.endswith("bytes") else int(raw)
+        if typ == "float":
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{_var(name)}={raw!r} is not a valid {typ}") from exc

@@ -1,0 +1,148 @@
+"""The exception tree. Every failure a user can cause raises one of these.
+
+Each class also inherits the builtin a caller would already catch, so
+``except FileNotFoundError`` keeps working around asynccache calls::
+
+    AsyncCacheError
+    ├── ConfigError (ValueError)           bad setting, env value, URL or argument
+    ├── StorageError (OSError)             anything the storage backend reports
+    │   ├── ObjectNotFoundError (FileNotFoundError)   missing bucket, key, file
+    │   ├── AuthError (PermissionError)               rejected or missing credentials
+    │   ├── TransientError                            5xx, 429, resets, short reads
+    │   │   └── StorageTimeoutError (TimeoutError)    no answer within the timeout
+    │   └── RetriesExhaustedError                     transient errors outlived the retry budget
+    ├── DataError (ValueError)             a file's bytes are not what they must be
+    │   ├── BadMagicError                  not an asynccache chunk
+    │   ├── UnsupportedVersionError        written by a format version we can't read
+    │   ├── TruncatedChunkError            shorter than its header or index says
+    │   ├── ChecksumMismatchError          bytes differ from the index's checksum
+    │   ├── BadIndexError                  index.json malformed or inconsistent
+    │   │   └── UnsafePathError            index names a path outside its directory
+    │   └── SerializationError (TypeError) an item holds a leaf we can't store
+    ├── CacheError (OSError)               local cache directory problems (e.g. disk full)
+    ├── ResumeStateError (ValueError)      a state_dict that doesn't fit this loader
+    └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
+
+Lower-layer exceptions are translated at the layer boundary and always chained
+with ``raise ... from exc``, so the original cause stays in the traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncCacheError",
+    "AuthError",
+    "BadIndexError",
+    "BadMagicError",
+    "BridgeError",
+    "CacheError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "DataError",
+    "ObjectNotFoundError",
+    "ResumeStateError",
+    "RetriesExhaustedError",
+    "SerializationError",
+    "StorageError",
+    "StorageTimeoutError",
+    "TransientError",
+    "TruncatedChunkError",
+    "UnsafePathError",
+    "UnsupportedVersionError",
+]
+
+
+class AsyncCacheError(Exception):
+    """Root of every error asynccache raises on purpose."""
+
+
+class ConfigError(AsyncCacheError, ValueError):
+    """A setting, environment variable, URL or argument is invalid."""
+
+
+class StorageError(AsyncCacheError, OSError):
+    """The storage backend failed; the message names the URL."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+    def __str__(self) -> str:  # OSError's __str__ would mangle a single-arg message
+        return str(self.args[0]) if self.args else ""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The bucket, object or file does not exist."""
+
+
+class AuthError(StorageError, PermissionError):
+    """Credentials were rejected or are missing. Never contains a secret."""
+
+
+class TransientError(StorageError):
+    """A failure that may succeed when retried (5xx, 429, reset, short read)."""
+
+    def __init__(
+        self, message: str, *, url: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, url=url)
+        self.retry_after = retry_after
+
+
+class StorageTimeoutError(TransientError, TimeoutError):
+    """The storage did not answer within the configured timeout."""
+
+
+class RetriesExhaustedError(StorageError):
+    """Transient errors continued past the retry budget."""
+
+    def __init__(self, message: str, *, url: str | None = None, attempts: int = 0) -> None:
+        super().__init__(message, url=url)
+        self.attempts = attempts
+
+
+class DataError(AsyncCacheError, ValueError):
+    """A file's bytes are not a valid asynccache file; the message names the file."""
+
+
+class BadMagicError(DataError):
+    """The file does not start with the chunk magic bytes."""
+
+
+class UnsupportedVersionError(DataError):
+    """The file was written by a format version this release cannot read."""
+
+
+class TruncatedChunkError(DataError):
+    """The file is shorter than its header or the index says."""
+
+
+class ChecksumMismatchError(DataError):
+    """The file's checksum differs from the one recorded in the index."""
+
+
+class BadIndexError(DataError):
+    """``index.json`` is malformed or inconsistent."""
+
+
+class UnsafePathError(BadIndexError):
+    """The index names a path outside the dataset directory."""
+
+
+class SerializationError(DataError, TypeError):
+    """An item contains a leaf type that cannot be stored."""
+
+
+class CacheError(AsyncCacheError, OSError):
+    """The local cache directory cannot be used (full disk, permissions)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ResumeStateError(AsyncCacheError, ValueError):
+    """A ``state_dict`` does not belong to this dataset, seed or shuffle setting."""
+
+
+class BridgeError(AsyncCacheError, RuntimeError):
+    """The I/O thread was misused, e.g. a blocking call from inside its own loop."""

@@ -1,0 +1,116 @@
+"""The async storage contract: one small class per URL scheme.
+
+Public methods live here and do the shared work (key validation, error context);
+a backend implements the ``_impl`` methods only. Backends raise the
+:mod:`asynccache.errors` storage tree and nothing else: lower-layer exceptions
+(aiohttp, OSError, botocore) are translated at this boundary, always ``from exc``.
+
+Keys are ``/``-separated paths relative to the backend's root URL (``index.json``,
+``chunk-0-3.bin``). A backend object is bound to the event loop it was first used on
+(its aiohttp session lives there); create and use it on the I/O thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What ``head``/``list`` know about one object."""
+
+    key: str
+    size: int
+    etag: str | None = None
+
+
+class Storage(abc.ABC):
+    """One dataset root (``s3://bucket/prefix``, ``https://host/path``, a directory)."""
+
+    #: URL of the root, as the user gave it (never contains credentials).
+    url: str
+    #: True when objects can be read in place from the local file system (no copy).
+    is_local: bool = False
+
+    def object_url(self, key: str) -> str:
+        """The full URL of ``key``, for messages."""
+        return self.url.rstrip("/") + "/" + key
+
+    def local_path(self, key: str) -> str | None:
+        """The file path to read ``key`` in place, or None for remote backends."""
+        return None
+
+    async def head(self, key: str) -> ObjectInfo:
+        """Size (and etag) of ``key``. Raises ObjectNotFoundError when missing."""
+        return await self._head_impl(_check_key(key, self.url))
+
+    async def iter_range(
+        self, key: str, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[bytes]:
+        """Yield the bytes ``[start, end)`` of ``key`` (``end=None``: to the end) in pieces.
+
+        A short body (the connection closes before ``end``) raises TransientError after
+        yielding what arrived, so a caller can resume from the bytes it already has.
+        """
+        key = _check_key(key, self.url)
+        async for piece in self._iter_range_impl(key, start, end):
+            yield piece
+
+    async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """The bytes ``[start, end)`` of ``key`` in memory (for small objects and ranges)."""
+        return b"".join([piece async for piece in self.iter_range(key, start, end)])
+
+    async def download(self, key: str, dest: str | os.PathLike[str]) -> int:
+        """Write the whole object to ``dest`` (overwriting it); returns its byte count.
+
+        No retries and no atomic publish here: that is the downloader's job.
+        """
+        n = 0
+        with open(dest, "wb") as f:
+            async for piece in self.iter_range(key):
+                f.write(piece)
+                n += len(piece)
+        return n
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+        return sorted(await self._list_impl(prefix), key=lambda o: o.key)
+
+    async def upload(self, src: str | os.PathLike[str], key: str) -> int:
+        """Store the local file ``src`` as ``key`` (multipart above a size threshold)."""
+        return await self._upload_impl(os.fspath(src), _check_key(key, self.url))
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key``. Deleting a missing key is not an error."""
+        await self._delete_impl(_check_key(key, self.url))
+
+    async def close(self) -> None:
+        """Release sessions and connections. Idempotent."""
+
+    # -- what a backend implements ---------------------------------------------------
+    @abc.abstractmethod
+    async def _head_impl(self, key: str) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    def _iter_range_impl(self, key: str, start: int, end: int | None) -> AsyncIterator[bytes]: ...
+
+    @abc.abstractmethod
+    async def _list_impl(self, prefix: str) -> list[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    async def _upload_impl(self, src: str, key: str) -> int: ...
+
+    @abc.abstractmethod
+    async def _delete_impl(self, key: str) -> None: ...
+
+
+def _check_key(key: str, url: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"invalid object key {key!r} under {url}")
+    return key
