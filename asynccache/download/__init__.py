@@ -1,0 +1,15 @@
+"""The chunk downloader: concurrency limit, single-flight, ranged parts, retries, prefetch."""
+
+from .downloader import ChunkSpec, Downloader, file_checksum
+from .prefetch import prefetch_dataset
+from .retry import RetryPolicy
+from .stats import DownloadStats
+
+__all__ = [
+    "ChunkSpec",
+    "DownloadStats",
+    "Downloader",
+    "RetryPolicy",
+    "file_checksum",
+    "prefetch_dataset",
+]

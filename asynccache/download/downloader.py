@@ -1,0 +1,329 @@
+"""The chunk downloader: one GET per chunk per node, verified, published atomically."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any
+
+import xxhash
+
+from ..bridge import LoopThread, get_loop_thread
+from ..cache.layout import TempFile
+from ..cache.store import ChunkStore
+from ..config import Settings
+from ..errors import ChecksumMismatchError, ObjectNotFoundError
+from ..storage.base import Storage
+from .parts import fetch_range, split_parts
+from .retry import RetryPolicy
+from .stats import DownloadStats
+
+__all__ = ["ChunkSpec", "Downloader", "file_checksum"]
+
+log = logging.getLogger(__name__)
+
+_HASH_BLOCK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """A chunk as the index records it: file name, byte size, xxh3_64 hex checksum."""
+
+    name: str
+    size: int | None = None
+    checksum: str | None = None
+
+
+class Downloader:
+    """Brings chunks of one dataset into the local cache, concurrently and ahead of need.
+
+    Invariants:
+        * Local storage (``storage.is_local``) is read in place: never copied, never evicted.
+        * One GET per chunk per node: in-process callers share one task (single-flight);
+          other processes wait on the chunk's download lock and then find it published.
+        * At most ``settings.max_concurrency`` requests are open at once in this process.
+        * A chunk becomes visible under its name only complete, size- and checksum-verified.
+        * Every wait is bounded: per-attempt stall timeout, retry budget, lock-wait bound.
+        * All state changes happen on the I/O thread; other threads only submit work.
+        * The prefetch window is the first ``settings.prefetch_chunks`` hinted chunks the
+          reader has not asked for yet; hinted downloads that leave the window with no
+          caller waiting on them are cancelled.
+
+    Args:
+        storage: the dataset's storage; the caller owns it (and closes it).
+        store: the local cache of this dataset; the caller owns it.
+        settings: concurrency, part size, retries, timeouts, prefetch depth.
+        loop_thread: the I/O thread to run on (default: the process's).
+        verify_local: check the checksum of local files once, on first use.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        store: ChunkStore,
+        settings: Settings,
+        *,
+        loop_thread: LoopThread | None = None,
+        verify_local: bool = False,
+    ) -> None:
+        self.storage = storage
+        self.store = store
+        self.settings = settings
+        self.stats = DownloadStats()
+        self._lt = loop_thread or get_loop_thread()
+        self._policy = RetryPolicy(
+            settings.retries, settings.backoff_base_s, settings.backoff_max_s
+        )
+        self._sem = asyncio.Semaphore(settings.max_concurrency)
+        self._verify_local = verify_local
+        self._verified: set[str] = set()
+        self._inflight: dict[str, asyncio.Task[str]] = {}
+        self._waiters: dict[str, int] = {}
+        self._queue: list[ChunkSpec] = []
+        self._hinted: set[str] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<Downloader {self.storage.url} inflight={len(self._inflight)} "
+            f"queued={len(self._queue)} {self.stats}>"
+        )
+
+    # -- the sync face -------------------------------------------------------------------
+    def ensure(
+        self, name: str, size: int | None = None, checksum: str | None = None
+    ) -> concurrent.futures.Future[str]:
+        """A Future of the local path of chunk ``name``, downloading it if needed."""
+        return self._lt.submit(self.ensure_async(name, size, checksum))
+
+    def hint(self, chunks: Iterable[ChunkSpec | str]) -> None:
+        """Say which chunks come next, in order; replaces the previous hint. Never blocks."""
+        specs = [c if isinstance(c, ChunkSpec) else ChunkSpec(c) for c in chunks]
+        self._lt.call_soon(self._set_hint, specs)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel downloads in flight and forget the hint. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._lt.call(self._cancel_all(), timeout)
+        except Exception:  # a closed I/O thread has nothing left to cancel
+            log.debug("downloader close: I/O thread already gone")
+
+    # -- the async core ------------------------------------------------------------------
+    async def ensure_async(
+        self, name: str, size: int | None = None, checksum: str | None = None
+    ) -> str:
+        """The local path of chunk ``name``, downloading it if needed (async twin)."""
+        self._consume_hint(name)
+        if self.storage.is_local:
+            return await self._local(ChunkSpec(name, size, checksum))
+        if name not in self._inflight and self.store.is_cached(name, size):
+            self.stats.hits += 1
+            self._pump()
+            return str(self.store.path(name))
+        self.stats.misses += 1
+        task = self._start(ChunkSpec(name, size, checksum))
+        self._waiters[name] = self._waiters.get(name, 0) + 1
+        t0 = time.monotonic()
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self.stats.wait_s += time.monotonic() - t0
+            self._waiters[name] -= 1
+            if not self._waiters[name]:
+                del self._waiters[name]
+
+    async def _local(self, spec: ChunkSpec) -> str:
+        path = self.storage.local_path(spec.name)
+        if path is None or not os.path.isfile(path):  # noqa: ASYNC240 - one stat, cheap
+            raise ObjectNotFoundError(
+                f"{self.storage.object_url(spec.name)} does not exist",
+                url=self.storage.object_url(spec.name),
+            )
+        self.stats.hits += 1
+        if self._verify_local and spec.checksum and spec.name not in self._verified:
+            await asyncio.to_thread(_verify_path, path, spec, self.storage.object_url(spec.name))
+            self._verified.add(spec.name)
+        return path
+
+    def _start(self, spec: ChunkSpec) -> asyncio.Task[str]:
+        task = self._inflight.get(spec.name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
+            )
+            self._inflight[spec.name] = task
+            task.add_done_callback(lambda t, name=spec.name: self._done(name, t))
+        return task
+
+    def _done(self, name: str, task: asyncio.Task[str]) -> None:
+        if self._inflight.get(name) is task:
+            del self._inflight[name]
+        self._hinted.discard(name)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("download of %s failed: %r", name, task.exception())
+        log.debug("%r", self)
+        self._pump()
+
+    async def _fetch(self, spec: ChunkSpec) -> str:
+        """Download one chunk under its cross-process lock; the path once published."""
+        self.stats.started()
+        try:
+            size = spec.size
+            if size is None:
+                size = (await self.storage.head(spec.name)).size
+            async with self.store.download_lock(spec.name):
+                if self.store.is_cached(spec.name, size):
+                    return str(self.store.path(spec.name))  # another process published it
+                await self.store.make_room(size)
+                for round_ in (1, 2):
+                    tmp = self.store.create_temp(spec.name, size)
+                    try:
+                        await self._fill(spec.name, size, tmp)
+                        await asyncio.to_thread(
+                            _verify_fd, tmp, spec, self.storage.object_url(spec.name)
+                        )
+                        await asyncio.to_thread(tmp.publish)
+                        break
+                    except ChecksumMismatchError:
+                        tmp.discard()
+                        if round_ == 2:
+                            raise
+                        self.stats.retries += 1  # bits can flip in transit: once more
+                    except BaseException:
+                        tmp.discard()
+                        raise
+            self.stats.chunks_fetched += 1
+            return str(self.store.path(spec.name))
+        finally:
+            self.stats.finished()
+
+    async def _fill(self, key: str, size: int, tmp: TempFile) -> None:
+        parts = split_parts(size, self.settings.part_bytes)
+        await _all_or_nothing(
+            fetch_range(
+                self.storage,
+                key,
+                start,
+                end,
+                tmp,
+                policy=self._policy,
+                timeout_s=self.settings.timeout_s,
+                semaphore=self._sem,
+                stats=self.stats,
+            )
+            for start, end in parts
+        )
+
+    # -- prefetch ------------------------------------------------------------------------
+    def _set_hint(self, specs: list[ChunkSpec]) -> None:
+        if self._closed or self.storage.is_local:
+            return
+        self._queue = specs
+        window = {s.name for s in self._window()}
+        for name in list(self._hinted):
+            task = self._inflight.get(name)
+            if name not in window and not self._waiters.get(name) and task is not None:
+                task.cancel()
+                self._hinted.discard(name)
+        self._pump()
+
+    def _window(self) -> list[ChunkSpec]:
+        return self._queue[: self.settings.prefetch_chunks]
+
+    def _consume_hint(self, name: str) -> None:
+        for i, spec in enumerate(self._queue):
+            if spec.name == name:
+                del self._queue[: i + 1]
+                return
+
+    def _pump(self) -> None:
+        if self._closed:
+            return
+        for spec in self._window():
+            if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
+                continue
+            self._hinted.add(spec.name)
+            self._start(spec)
+
+    async def _cancel_all(self) -> None:
+        self._queue = []
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+
+    # -- running from sync code ----------------------------------------------------------
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        """Run ``coro`` on this downloader's I/O thread and wait (bounded)."""
+        return self._lt.call(coro, timeout)
+
+
+async def _all_or_nothing(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=5.0)
+        raise
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+def file_checksum(fd: int, size: int) -> str:
+    """xxh3_64 hex digest of the first ``size`` bytes of ``fd``."""
+    h = xxhash.xxh3_64()
+    offset = 0
+    while offset < size:
+        block = os.pread(fd, min(_HASH_BLOCK, size - offset), offset)
+        if not block:
+            break
+        h.update(block)
+        offset += len(block)
+    return h.hexdigest()
+
+
+def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str) -> None:
+    assert tmp.fd is not None
+    actual_size = os.fstat(tmp.fd).st_size
+    if actual_size != tmp.size:
+        raise ChecksumMismatchError(f"{url}: got {actual_size} bytes, index says {tmp.size}")
+    if spec.checksum:
+        actual = file_checksum(tmp.fd, tmp.size)
+        if actual != spec.checksum.lower():
+            raise ChecksumMismatchError(
+                f"{url} (cached as {tmp.final}): xxh3_64 {actual} != index {spec.checksum}"
+            )
+
+
+def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if spec.size is not None and size != spec.size:
+            raise ChecksumMismatchError(f"{url}: {size} bytes, index says {spec.size}")
+        if spec.checksum and file_checksum(fd, size) != spec.checksum.lower():
+            raise ChecksumMismatchError(f"{url}: xxh3_64 differs from the index")
+    finally:
+        os.close(fd)
+
+
+def specs_total(specs: Sequence[ChunkSpec]) -> int:
+    """Sum of the known sizes."""
+    return sum(s.size or 0 for s in specs)

@@ -1,0 +1,116 @@
+"""Fetch one byte range of an object into a temporary file, with retries and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ..cache.layout import TempFile
+from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
+from ..storage.base import Storage
+from .retry import RetryPolicy
+from .stats import DownloadStats
+
+__all__ = ["fetch_range", "split_parts"]
+
+log = logging.getLogger(__name__)
+
+
+def split_parts(size: int, part_bytes: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of at most ``part_bytes`` covering ``size`` bytes."""
+    if size <= 0:
+        return [(0, 0)]
+    return [(s, min(s + part_bytes, size)) for s in range(0, size, part_bytes)]
+
+
+async def fetch_range(
+    storage: Storage,
+    key: str,
+    start: int,
+    end: int,
+    out: TempFile,
+    *,
+    policy: RetryPolicy,
+    timeout_s: float,
+    semaphore: asyncio.Semaphore,
+    stats: DownloadStats,
+) -> None:
+    """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
+
+    A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte) is
+    retried after a backoff, resuming from the first byte not yet received. Each
+    attempt holds one slot of ``semaphore`` (the process's concurrency limit) while its
+    request is open, and not while it sleeps.
+
+    Raises:
+        RetriesExhaustedError: the retry budget ran out; names the URL, the attempts and
+            the last cause (chained).
+        StorageError: non-transient failures (not found, auth) pass through unretried.
+    """
+    cursor = [start]  # the next byte to fetch; survives failed attempts (resume)
+    failures = 0
+    while True:
+        try:
+            async with semaphore:
+                await _stream(storage, key, cursor, end, out, timeout_s, stats)
+            if cursor[0] < end:
+                raise TransientError(
+                    f"short body from {storage.object_url(key)}: {cursor[0] - start} of "
+                    f"{end - start} bytes",
+                    url=storage.object_url(key),
+                )
+            return
+        except TransientError as exc:
+            failures += 1
+            if not policy.should_retry(failures):
+                raise RetriesExhaustedError(
+                    f"gave up on {storage.object_url(key)} bytes {start}-{end} after "
+                    f"{failures} attempts; last error: {exc}",
+                    url=storage.object_url(key),
+                    attempts=failures,
+                ) from exc
+            stats.retries += 1
+            delay = policy.delay(failures, exc.retry_after)
+            log.debug("retrying %s at byte %d in %.2fs: %s", key, cursor[0], delay, exc)
+            await asyncio.sleep(delay)
+
+
+async def _stream(
+    storage: Storage,
+    key: str,
+    cursor: list[int],
+    end: int,
+    out: TempFile,
+    timeout_s: float,
+    stats: DownloadStats,
+) -> None:
+    """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
+    pos = cursor[0]
+    pieces = storage.iter_range(key, pos, end).__aiter__()
+    try:
+        while pos < end:
+            try:
+                piece = await asyncio.wait_for(pieces.__anext__(), timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError as exc:
+                raise StorageTimeoutError(
+                    f"no bytes from {storage.object_url(key)} for {timeout_s}s at byte {pos}",
+                    url=storage.object_url(key),
+                ) from exc
+            if len(piece) > end - pos:
+                piece = piece[: end - pos]
+            out.pwrite(piece, pos)
+            pos += len(piece)
+            cursor[0] = pos
+            stats.bytes += len(piece)
+    finally:
+        await _aclose(pieces)
+
+
+async def _aclose(pieces: object) -> None:
+    aclose = getattr(pieces, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):  # best-effort cleanup of a failed stream
+            await asyncio.wait_for(aclose(), 5.0)

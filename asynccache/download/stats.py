@@ -1,0 +1,53 @@
+"""DownloadStats: what the downloader did, for ``repr()``, logs and benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+__all__ = ["DownloadStats"]
+
+
+@dataclasses.dataclass
+class DownloadStats:
+    """Counters of one downloader. Updated on the I/O thread only; read anywhere.
+
+    ``busy_s`` counts wall time with at least one download in flight, so ``bytes_per_s``
+    is the throughput while working, not diluted by idle time.
+    """
+
+    bytes: int = 0
+    chunks_fetched: int = 0
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    wait_s: float = 0.0
+    busy_s: float = 0.0
+    _active: int = dataclasses.field(default=0, repr=False)
+    _busy_since: float = dataclasses.field(default=0.0, repr=False)
+
+    @property
+    def bytes_per_s(self) -> float:
+        busy = self.busy_s + (time.monotonic() - self._busy_since if self._active else 0.0)
+        return self.bytes / busy if busy > 0 else 0.0
+
+    def started(self) -> None:
+        if self._active == 0:
+            self._busy_since = time.monotonic()
+        self._active += 1
+
+    def finished(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.busy_s += time.monotonic() - self._busy_since
+
+    def snapshot(self) -> DownloadStats:
+        """A copy, safe to keep while the downloader goes on."""
+        return dataclasses.replace(self)
+
+    def __str__(self) -> str:
+        return (
+            f"fetched={self.chunks_fetched} bytes={self.bytes} hits={self.hits} "
+            f"misses={self.misses} retries={self.retries} "
+            f"MB/s={self.bytes_per_s / 1e6:.1f} wait_s={self.wait_s:.3f}"
+        )
