@@ -1,0 +1,98 @@
+"""The chunk file: many items, one self-describing binary file.
+
+Byte layout (little-endian)::
+
+    offset  size        field
+    0       8           magic  b"ACCHUNK\\n"
+    8       4           u32 format version (1)
+    12      4           u32 flags (0; reserved)
+    16      8           u64 item count N
+    24      8*(N+1)     u64 offsets: item i is bytes [off[i], off[i+1]); off[N] == file size
+    ...                 zero padding to 64
+    off[0]              item 0 (see items.py), each item starts on a 64-byte boundary
+
+A chunk is valid only if its size equals ``off[N]``: a truncated file is always detected.
+Pure module: it builds bytes and parses buffers, it does no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadMagicError, TruncatedChunkError, UnsupportedVersionError
+from .items import align, encoded_size
+
+MAGIC = b"ACCHUNK\n"
+VERSION = 1
+_HEAD = struct.Struct("<8sIIQ")
+HEADER_BYTES = _HEAD.size
+
+
+def items_start(count: int) -> int:
+    """Offset of the first item in a chunk of ``count`` items."""
+    return align(HEADER_BYTES + 8 * (count + 1))
+
+
+def build(encoded_items: Iterable[list[memoryview | bytes]]) -> Iterator[memoryview | bytes]:
+    """Yield the pieces of a chunk file holding ``encoded_items`` (from ``items.encode``)."""
+    items = list(encoded_items)
+    offsets = np.empty(len(items) + 1, dtype="<u8")
+    pos = items_start(len(items))
+    for i, pieces in enumerate(items):
+        offsets[i] = pos
+        pos += encoded_size(pieces)
+    offsets[len(items)] = pos
+    yield _HEAD.pack(MAGIC, VERSION, 0, len(items))
+    yield offsets.tobytes()
+    yield b"\0" * (items_start(len(items)) - HEADER_BYTES - offsets.nbytes)
+    for pieces in items:
+        yield from pieces
+
+
+class ChunkView:
+    """Parsed header of a chunk held in a buffer (an mmap); item ``i`` spans ``span(i)``.
+
+    Raises on construction:
+        BadMagicError, UnsupportedVersionError, TruncatedChunkError: naming ``name``.
+    """
+
+    def __init__(self, buf: Any, name: str) -> None:
+        size = len(buf)
+        if size < HEADER_BYTES:
+            if size < len(MAGIC) and bytes(buf[:size]) != MAGIC[:size]:
+                raise BadMagicError(f"{name}: not an asynccache chunk (bad magic bytes)")
+            raise TruncatedChunkError(f"{name}: {size} bytes is shorter than a chunk header")
+        magic, version, _flags, count = _HEAD.unpack_from(buf, 0)
+        if magic != MAGIC:
+            raise BadMagicError(f"{name}: not an asynccache chunk (bad magic bytes {magic!r})")
+        if version != VERSION:
+            raise UnsupportedVersionError(
+                f"{name}: chunk format version {version} is not supported (this release "
+                f"reads version {VERSION}); upgrade asynccache or rewrite the dataset"
+            )
+        table_end = HEADER_BYTES + 8 * (count + 1)
+        if table_end > size:
+            raise TruncatedChunkError(
+                f"{name}: {size} bytes can't hold the offsets table of {count} items"
+            )
+        offsets = np.frombuffer(buf, dtype="<u8", count=count + 1, offset=HEADER_BYTES)
+        if int(offsets[-1]) != size:
+            raise TruncatedChunkError(
+                f"{name}: file has {size} bytes but its header says {int(offsets[-1])}"
+            )
+        if count and (int(offsets[0]) < table_end or np.any(np.diff(offsets.astype(np.int64)) < 0)):
+            raise TruncatedChunkError(f"{name}: offsets table is corrupt")
+        self.name = name
+        self.count = int(count)
+        self._offsets = offsets.astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def span(self, i: int) -> tuple[int, int]:
+        """``(start, end)`` byte offsets of item ``i``."""
+        return int(self._offsets[i]), int(self._offsets[i + 1])

@@ -1,0 +1,231 @@
+"""``index.json``: the dataset's table of contents, and the commit point of a write.
+
+Schema (version 1)::
+
+    {
+      "format": "asynccache-index",
+      "version": 1,
+      "chunks": [
+        {"filename": "chunk-0-0.bin", "items": 20, "bytes": 9472,
+         "checksum": "xxh3_64:0f1e2d3c4b5a6978", "keys": [[0, 20]]},
+        ...
+      ],
+      "total_items": 64,
+      "total_bytes": 30080,
+      "config": {"chunk_bytes": 8192, "chunk_size": null, "writer": "asynccache 0.1.0"}
+    }
+
+``keys`` lists the runs ``[first_key, count]`` of the keys a chunk holds, in storage
+order: item ``p`` of the chunk is key ``first_key + (p - run_offset)``. Items written in
+order give one run per chunk, so the index stays small however many items there are.
+The keys of all chunks together are exactly ``0 .. total_items - 1``.
+
+Per-writer indexes (``{writer}.index.json``) use the same schema plus ``"writer"`` and
+``"token"`` (identifying one write pass); ``merge`` combines them into ``index.json``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import posixpath
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import xxhash
+
+from ..errors import BadIndexError, UnsafePathError
+
+FORMAT = "asynccache-index"
+VERSION = 1
+INDEX_NAME = "index.json"
+CHECKSUM_ALGO = "xxh3_64"
+
+
+def new_hasher() -> Any:
+    """A streaming hasher for :func:`format_checksum`."""
+    return xxhash.xxh3_64()
+
+
+def format_checksum(hasher: Any) -> str:
+    return f"{CHECKSUM_ALGO}:{hasher.hexdigest()}"
+
+
+def checksum(data: Any) -> str:
+    """Checksum string of a bytes-like object, as recorded in the index."""
+    h = new_hasher()
+    h.update(data)
+    return format_checksum(h)
+
+
+def check_filename(name: Any, where: str) -> str:
+    """Refuse anything but a plain file name inside the dataset directory."""
+    if not isinstance(name, str) or not name:
+        raise BadIndexError(f"{where}: chunk filename must be a non-empty string, got {name!r}")
+    if (
+        name.startswith(("/", "\\"))
+        or "\\" in name
+        or "/" in name
+        or posixpath.normpath(name) != name
+        or name in (".", "..")
+        or ":" in name
+    ):
+        raise UnsafePathError(f"{where}: chunk filename {name!r} points outside the dataset "
+                              "directory")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkEntry:
+    filename: str
+    items: int
+    bytes: int
+    checksum: str
+    keys: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"filename": self.filename, "items": self.items, "bytes": self.bytes,
+                "checksum": self.checksum, "keys": [list(r) for r in self.keys]}
+
+
+def runs(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Run-length encode keys in storage order: ``[3, 4, 5, 9]`` -> ``((3, 3), (9, 1))``."""
+    out: list[list[int]] = []
+    for k in keys:
+        if out and out[-1][0] + out[-1][1] == k:
+            out[-1][1] += 1
+        else:
+            out.append([k, 1])
+    return tuple((a, b) for a, b in out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Index:
+    """A parsed, validated index. ``locate(key)`` maps a key to (chunk number, position)."""
+
+    chunks: tuple[ChunkEntry, ...]
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    writer: int | None = None
+    token: str | None = None
+
+    @property
+    def total_items(self) -> int:
+        return sum(c.items for c in self.chunks)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.chunks)
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {
+            "format": FORMAT, "version": VERSION,
+            "chunks": [c.to_json() for c in self.chunks],
+            "total_items": self.total_items, "total_bytes": self.total_bytes,
+            "config": dict(self.config),
+        }
+        if self.writer is not None:
+            doc["writer"] = self.writer
+            doc["token"] = self.token
+        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+    @property
+    def checksum(self) -> str:
+        """A checksum of the content (chunks and their checksums), for cache identity."""
+        return checksum(json.dumps([c.to_json() for c in self.chunks], sort_keys=True).encode())
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> Index:
+        """Parse and validate. Raises BadIndexError / UnsafePathError naming ``where``."""
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadIndexError(f"{where}: not valid JSON ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise BadIndexError(f"{where}: not an asynccache index (missing format marker)")
+        if doc.get("version") != VERSION:
+            raise BadIndexError(f"{where}: index version {doc.get('version')!r} is not "
+                                f"supported (this release reads version {VERSION})")
+        try:
+            chunks: Any = []
+            first = 0
+            for c in doc["chunks"]:  # a chunk without "keys" continues where the last ended
+                chunks.append(_entry(c, where, first))
+                first += chunks[-1].items
+            chunks = tuple(chunks)
+            idx = cls(chunks, dict(doc.get("config") or {}), doc.get("writer"), doc.get("token"))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, BadIndexError):
+                raise
+            raise BadIndexError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from exc
+        for name in ("total_items", "total_bytes"):
+            if name in doc and doc[name] != getattr(idx, name):
+                raise BadIndexError(f"{where}: {name} is {doc[name]} but the chunks add up to "
+                                    f"{getattr(idx, name)}")
+        if len({c.filename for c in chunks}) != len(chunks):
+            raise BadIndexError(f"{where}: a chunk filename appears twice")
+        if idx.writer is None:
+            idx._check_keys(where)
+        return idx
+
+    # -- key lookup ---------------------------------------------------------------
+    def _table(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        cached = self.__dict__.get("_tbl")
+        if cached is None:
+            rows = []
+            for ci, c in enumerate(self.chunks):
+                pos = 0
+                for first, count in c.keys:
+                    rows.append((first, count, ci, pos))
+                    pos += count
+            rows.sort()
+            cached = ([r[0] for r in rows], [(r[1], r[2], r[3]) for r in rows])
+            object.__setattr__(self, "_tbl", cached)
+        return cached
+
+    def _check_keys(self, where: str) -> None:
+        starts, rest = self._table()
+        expect = 0
+        for first, (count, _ci, _pos) in zip(starts, rest, strict=True):
+            if first != expect or count <= 0:
+                raise BadIndexError(f"{where}: item keys are not exactly 0..{self.total_items - 1}"
+                                    f" (problem near key {min(first, expect)})")
+            expect += count
+        for c in self.chunks:
+            if sum(n for _, n in c.keys) != c.items:
+                raise BadIndexError(f"{where}: {c.filename}: keys don't add up to its item count")
+
+    def locate(self, key: int) -> tuple[int, int]:
+        """``(chunk number, position in chunk)`` of ``key``. IndexError when out of range."""
+        if not 0 <= key < self.total_items:
+            raise IndexError(f"index {key} is out of range for {self.total_items} items")
+        starts, rest = self._table()
+        r = bisect.bisect_right(starts, key) - 1
+        count, ci, pos = rest[r]
+        return ci, pos + (key - starts[r])
+
+
+def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:
+    name = check_filename(c["filename"], where)
+    items, size, ck = c["items"], c["bytes"], c["checksum"]
+    if not (isinstance(items, int) and items >= 0 and isinstance(size, int) and size >= 0):
+        raise BadIndexError(f"{where}: {name}: items and bytes must be non-negative integers")
+    if not (isinstance(ck, str) and ck.startswith(CHECKSUM_ALGO + ":")):
+        raise BadIndexError(f"{where}: {name}: checksum {ck!r} is not {CHECKSUM_ALGO}")
+    keys = tuple((int(a), int(b)) for a, b in c.get("keys", [[first, items]]))
+    return ChunkEntry(name, items, size, ck, keys)
+
+
+def merge(parts: Iterable[Index], config: Mapping[str, Any] | None = None) -> Index:
+    """Combine per-writer indexes into one; chunks ordered by their first key.
+
+    Raises:
+        BadIndexError: the writers' keys overlap or leave gaps.
+    """
+    chunks = sorted(
+        (c for p in parts for c in p.chunks), key=lambda c: (min((k for k, _ in c.keys),
+                                                                 default=-1), c.filename)
+    )
+    merged = Index(tuple(chunks), dict(config or {}))
+    merged._check_keys("merged index")
+    return merged

@@ -1,0 +1,288 @@
+"""One item: a pytree of leaves <-> a msgpack header plus raw, aligned leaf buffers.
+
+Byte layout of an item (all integers little-endian; offsets relative to the item's
+first byte, which the chunk places on a 64-byte boundary)::
+
+    u32 H | msgpack header (H bytes) | zero padding to 64 | buffer 0 | pad | buffer 1 ...
+
+The header is ``[tree, buffers]``: ``buffers`` lists ``[offset, nbytes]`` per raw buffer
+(offset relative to the item start, always a multiple of 64), and ``tree`` is the nested
+structure, each node a short list whose first element is a tag:
+
+=======  ===========================================  ==========================
+tag      node                                          leaf value
+=======  ===========================================  ==========================
+``n``    ``["n"]``                                    None
+``b``    ``["b", bool]``                              bool
+``i``    ``["i", int]`` / ``["I", decimal str]``      int (64-bit / any size)
+``f``    ``["f", float]``                             float
+``s``    ``["s", str]``                               str
+``y``    ``["y", buf]``                               bytes
+``a``    ``["a", dtype, shape, buf]``                 numpy.ndarray (C order)
+``g``    ``["g", dtype, raw bytes]``                  numpy scalar
+``t``    ``["t", dtype, shape, buf]``                 torch.Tensor (any dtype)
+``p``    ``["p", mode, [w, h], codec, buf]``          PIL image, stored encoded
+``k``    ``["k", buf]``                               pickled object (opt-in only)
+``l``    ``["l", [node...]]``                         list
+``u``    ``["u", [node...]]``                         tuple
+``d``    ``["d", [key node...], [value node...]]``    dict (key types kept)
+=======  ===========================================  ==========================
+
+Buffers are aligned so numpy and torch leaves are views into the chunk's mapping
+(zero-copy). This module is pure: bytes in, objects out.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import DataError, SerializationError
+
+ALIGN = 64
+_U32 = struct.Struct("<I")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def align(n: int) -> int:
+    """Round ``n`` up to the next multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.buffers: list[memoryview] = []
+
+    def buf(self, data: Any) -> int:
+        self.buffers.append(memoryview(data).cast("B"))
+        return len(self.buffers) - 1
+
+    def node(self, obj: Any) -> list[Any]:
+        # Order matters: bool before int, numpy scalars before float/int.
+        if obj is None:
+            return ["n"]
+        if isinstance(obj, bool):
+            return ["b", obj]
+        if isinstance(obj, np.generic):
+            arr = np.asarray(obj)
+            return ["g", arr.dtype.str, arr.tobytes()]
+        if isinstance(obj, int):
+            return ["i", int(obj)] if _INT64_MIN <= obj <= _INT64_MAX else ["I", str(int(obj))]
+        if isinstance(obj, float):
+            return ["f", float(obj)]
+        if isinstance(obj, str):
+            return ["s", obj]
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return ["y", self.buf(bytes(obj) if isinstance(obj, memoryview) else obj)]
+        if isinstance(obj, np.ndarray):
+            return self.ndarray(obj)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self.tensor(obj, torch)
+        pil = sys.modules.get("PIL.Image")
+        if pil is not None and isinstance(obj, pil.Image):
+            return self.image(obj)
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return ["u", [self.node(x) for x in obj]]
+        if isinstance(obj, list):
+            return ["l", [self.node(x) for x in obj]]
+        if isinstance(obj, dict):
+            return ["d", [self.node(k) for k in obj], [self.node(v) for v in obj.values()]]
+        if self.allow_pickle:
+            return ["k", self.buf(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))]
+        raise SerializationError(
+            f"cannot store a leaf of type {type(obj).__module__}.{type(obj).__qualname__}; "
+            "convert it to a supported type or pass allow_pickle=True"
+        )
+
+    def ndarray(self, arr: np.ndarray) -> list[Any]:
+        if arr.dtype.hasobject or arr.dtype.fields is not None:
+            if self.allow_pickle:
+                return ["k", self.buf(pickle.dumps(arr, protocol=pickle.HIGHEST_PROTOCOL))]
+            raise SerializationError(f"cannot store a numpy array of dtype {arr.dtype}")
+        arr = np.ascontiguousarray(arr)
+        return ["a", arr.dtype.str, list(arr.shape), self.buf(arr.reshape(-1).view(np.uint8))]
+
+    def tensor(self, t: Any, torch: Any) -> list[Any]:
+        if t.layout != torch.strided or t.is_quantized:
+            raise SerializationError(f"cannot store a {t.layout} / quantized tensor; densify it")
+        t = t.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        return ["t", dtype, list(t.shape), self.buf(raw)]
+
+    def image(self, img: Any) -> list[Any]:
+        codec = "PNG" if img.mode in _PNG_MODES else "TIFF"
+        out = io.BytesIO()
+        if codec == "PNG":
+            img.save(out, format=codec, compress_level=1)
+        else:
+            img.save(out, format=codec)
+        return ["p", img.mode, list(img.size), codec, self.buf(out.getbuffer())]
+
+
+_PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16"})
+
+
+def encode(item: Any, *, allow_pickle: bool = False) -> list[memoryview | bytes]:
+    """Serialize ``item``; returns the pieces to write back to back (header, pads, buffers).
+
+    The total length is a multiple of :data:`ALIGN` so the next item stays aligned.
+
+    Raises:
+        SerializationError: ``item`` contains a leaf that can't be stored.
+    """
+    enc = _Encoder(allow_pickle)
+    tree = enc.node(item)
+    # Offsets depend on the header length, which depends on the offsets' encoded size:
+    # place buffers after a header encoded with final offsets, recomputing once if needed.
+    sizes = [b.nbytes for b in enc.buffers]
+    header = b""
+    start = 0
+    while True:  # converges: offsets only grow, and the header grows slower than they do
+        offsets, pos = [], start
+        for n in sizes:
+            offsets.append([pos, n])
+            pos = align(pos + n)
+        header = msgpack.packb([tree, offsets], use_bin_type=True)
+        needed = align(_U32.size + len(header))
+        if needed <= start:
+            break
+        start = needed
+    pieces: list[memoryview | bytes] = [_U32.pack(len(header)), header]
+    pos = _U32.size + len(header)
+    for (off, n), data in zip(offsets, enc.buffers, strict=True):
+        pieces.append(b"\0" * (off - pos))
+        pieces.append(data)
+        pos = off + n
+    pieces.append(b"\0" * (align(pos) - pos))
+    return pieces
+
+
+def encoded_size(pieces: Sequence[memoryview | bytes]) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+
+
+def decode(buf: Any, start: int, end: int, *, where: str, allow_pickle: bool = False) -> Any:
+    """Rebuild the item stored in ``buf[start:end]`` (``buf``: an mmap or bytes-like).
+
+    numpy and torch leaves are views into ``buf`` (no copy); bytes/str/images are copied.
+
+    Raises:
+        DataError: the bytes are not a valid item; the message contains ``where``.
+    """
+    view = memoryview(buf)
+    if end - start < _U32.size or end > len(view):
+        raise DataError(f"{where}: item bytes [{start}, {end}) are out of range")
+    (hlen,) = _U32.unpack_from(view, start)
+    if _U32.size + hlen > end - start:
+        raise DataError(f"{where}: item header length {hlen} exceeds the item")
+    try:
+        tree, offsets = msgpack.unpackb(
+            view[start + _U32.size : start + _U32.size + hlen], raw=False, use_list=True,
+            strict_map_key=False,
+        )
+        spans = []
+        for off, n in offsets:
+            if off < 0 or n < 0 or off + n > end - start:
+                raise DataError(f"{where}: buffer [{off}, {off + n}) lies outside the item")
+            spans.append((start + off, n))
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{where}: malformed item header ({exc})") from exc
+    dec = _Decoder(buf, view, spans, where, allow_pickle)
+    try:
+        return dec.node(tree)
+    except (DataError, SerializationError):
+        raise
+    except Exception as exc:
+        raise DataError(f"{where}: malformed item ({type(exc).__name__}: {exc})") from exc
+
+
+class _Decoder:
+    def __init__(
+        self, buf: Any, view: memoryview, spans: list[tuple[int, int]], where: str,
+        allow_pickle: bool,
+    ) -> None:
+        self.buf, self.view, self.spans, self.where = buf, view, spans, where
+        self.allow_pickle = allow_pickle
+
+    def node(self, n: list[Any]) -> Any:
+        tag = n[0]
+        if tag == "n":
+            return None
+        if tag in ("b", "f", "s"):
+            return {"b": bool, "f": float, "s": str}[tag](n[1])
+        if tag == "i":
+            return int(n[1])
+        if tag == "I":
+            return int(n[1])
+        if tag == "y":
+            off, size = self.spans[n[1]]
+            return bytes(self.view[off : off + size])
+        if tag == "g":
+            return np.frombuffer(n[2], dtype=np.dtype(n[1]))[0]
+        if tag == "a":
+            return self.ndarray(n[1], n[2], n[3])
+        if tag == "t":
+            return self.tensor(n[1], n[2], n[3])
+        if tag == "p":
+            return self.image(n[1], n[2], n[3], n[4])
+        if tag == "l":
+            return [self.node(x) for x in n[1]]
+        if tag == "u":
+            return tuple(self.node(x) for x in n[1])
+        if tag == "d":
+            return {self.node(k): self.node(v) for k, v in zip(n[1], n[2], strict=True)}
+        if tag == "k":
+            if not self.allow_pickle:
+                raise DataError(f"{self.where}: item holds a pickled leaf; pass allow_pickle=True "
+                                "to read it (only for data you trust)")
+            off, size = self.spans[n[1]]
+            return pickle.loads(self.view[off : off + size])
+        raise DataError(f"{self.where}: unknown leaf tag {tag!r}")
+
+    def _span(self, idx: int, itemsize: int, shape: list[int]) -> tuple[int, int]:
+        off, size = self.spans[idx]
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count * itemsize != size:
+            raise DataError(f"{self.where}: buffer of {size} bytes doesn't hold shape {shape}")
+        return off, count
+
+    def ndarray(self, dtype: str, shape: list[int], idx: int) -> np.ndarray:
+        dt = np.dtype(dtype)
+        off, count = self._span(idx, dt.itemsize, shape)
+        return np.frombuffer(self.buf, dtype=dt, count=count, offset=off).reshape(shape)
+
+    def tensor(self, dtype: str, shape: list[int], idx: int) -> Any:
+        import torch
+
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise DataError(f"{self.where}: unknown torch dtype {dtype!r}")
+        off, count = self._span(idx, dt.itemsize, shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dt)
+        return torch.frombuffer(self.buf, dtype=dt, count=count, offset=off).reshape(shape)
+
+    def image(self, mode: str, size: list[int], codec: str, idx: int) -> Any:
+        from PIL import Image
+
+        off, n = self.spans[idx]
+        img = Image.open(io.BytesIO(bytes(self.view[off : off + n])), formats=[codec])
+        img.load()
+        if img.mode != mode or list(img.size) != list(size):
+            img = img.convert(mode) if list(img.size) == list(size) else img
+        if img.mode != mode or list(img.size) != list(size):
+            raise DataError(f"{self.where}: image decodes as {img.mode} {img.size}, "
+                            f"expected {mode} {tuple(size)}")
+        return img

@@ -1,0 +1,48 @@
+"""Small file-system helpers shared by the writer and the cache: atomic publish."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterable
+
+from .errors import CacheError
+
+TMP_SUFFIX = ".tmp"
+
+
+def temp_name(path: str) -> str:
+    """A unique hidden temp path beside ``path``: ``.<name>.<pid>.<random>.tmp``."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def atomic_write(path: str, pieces: Iterable[bytes | memoryview], *, fsync: bool = False) -> int:
+    """Write ``pieces`` to a temp file beside ``path``, then rename it into place.
+
+    A reader sees either no file or the whole file, never a part. Returns the byte count.
+
+    Raises:
+        CacheError: the disk is full or the directory is not writable (names ``path``).
+    """
+    tmp = temp_name(path)
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+                n += len(piece) if isinstance(piece, bytes) else piece.nbytes
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror
+            raise CacheError(f"cannot write {path}: {why}") from exc
+        raise
+    return n

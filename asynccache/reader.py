@@ -1,0 +1,130 @@
+"""Reading items: key -> chunk -> mmap -> item, zero-copy for numpy and torch leaves.
+
+The reader asks a ``resolve`` callable for the local path of a chunk; for a local
+dataset that is the file in place, for a remote one the downloader fetches it first.
+Chunks are mapped copy-on-write (``ACCESS_COPY``): leaves are writable views that share
+pages with the file until written, and writing to them never changes the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ChecksumMismatchError, TruncatedChunkError
+from .format import ChunkEntry, ChunkView, Index, checksum, decode
+
+Resolve = Callable[[int, ChunkEntry], str]
+
+
+class _Mapped:
+    __slots__ = ("mm", "path", "view")
+
+    def __init__(self, mm: Any, view: ChunkView, path: str) -> None:
+        self.mm, self.view, self.path = mm, view, path
+
+
+def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, ChunkView]:
+    """Map ``path`` and check it against its index ``entry`` (size; checksum if ``verify``).
+
+    Raises:
+        TruncatedChunkError, ChecksumMismatchError, BadMagicError, UnsupportedVersionError:
+            naming the file.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.bytes:
+            raise TruncatedChunkError(
+                f"{path}: file has {size} bytes but the index says {entry.bytes}"
+            )
+        mm: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+    if verify:
+        got = checksum(mm)
+        if got != entry.checksum:
+            raise ChecksumMismatchError(
+                f"{path}: checksum {got} does not match the index ({entry.checksum})"
+            )
+    view = ChunkView(mm, path)
+    if len(view) != entry.items:
+        raise TruncatedChunkError(f"{path}: holds {len(view)} items, the index says {entry.items}")
+    return mm, view
+
+
+class Reader:
+    """Random access to the items of one dataset.
+
+    Thread-safe. Keeps up to ``max_open`` chunks mapped; an item handed out keeps its own
+    mapping alive for as long as it lives, so closing or evicting here never invalidates it.
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        resolve: Resolve,
+        *,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        max_open: int = 16,
+    ) -> None:
+        self.index = index
+        self._resolve = resolve
+        self._verify = verify
+        self._allow_pickle = allow_pickle
+        self._max_open = max_open
+        self._open: collections.OrderedDict[int, _Mapped] = collections.OrderedDict()
+        self._verified: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.index.total_items
+
+    def __getitem__(self, key: int) -> Any:
+        ci, pos = self.index.locate(key)
+        return self.read(ci, pos)
+
+    def read(self, chunk: int, pos: int) -> Any:
+        """Item ``pos`` of chunk number ``chunk``."""
+        m = self._chunk(chunk)
+        start, end = m.view.span(pos)
+        return decode(m.mm, start, end, where=f"{m.path} item {pos}",
+                      allow_pickle=self._allow_pickle)
+
+    def _chunk(self, ci: int) -> _Mapped:
+        with self._lock:
+            m = self._open.get(ci)
+            if m is not None:
+                self._open.move_to_end(ci)
+                return m
+        entry = self.index.chunks[ci]
+        path = self._resolve(ci, entry)
+        mm, view = map_chunk(path, entry, verify=self._verify and ci not in self._verified)
+        m = _Mapped(mm, view, path)
+        with self._lock:
+            self._verified.add(ci)
+            self._open[ci] = m
+            while len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+        return m
+
+    def release(self, ci: int) -> None:
+        """Drop this reader's mapping of chunk ``ci`` (items already returned stay valid)."""
+        with self._lock:
+            self._open.pop(ci, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = collections.OrderedDict()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

@@ -1,0 +1,45 @@
+"""Where this process sits: rank and world size, DataLoader worker id and count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from torch.utils.data import get_worker_info
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    @property
+    def writer_id(self) -> int:
+        """A number unique to this (rank, worker) pair, stable for a given world."""
+        return self.rank * self.num_workers + self.worker
+
+
+def current(num_workers: int | None = None) -> World:
+    """This process's place. ``num_workers`` is the loader's count when called outside one.
+
+    Rank and world size come from ``torch.distributed`` when it is initialised, else a
+    single process is assumed.
+    """
+    rank, size = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+    info = get_worker_info()
+    if info is not None:
+        return World(rank, size, info.id, info.num_workers)
+    return World(rank, size, 0, max(1, num_workers or 1))
+
+
+def broadcast(value: object) -> object:
+    """``value`` from rank 0 on every rank (identity when not distributed)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value

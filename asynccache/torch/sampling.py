@@ -1,0 +1,51 @@
+"""The order of one epoch for one rank: deterministic, split evenly over ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """All ``n`` keys in this epoch's order: identical for the same (n, seed, epoch)."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def rank_share(order: list[int], rank: int, world_size: int) -> list[tuple[int, bool]]:
+    """This rank's ``(key, first_time)`` pairs: every rank gets the same count.
+
+    Like ``DistributedSampler``, the order is padded by repeating its start so it divides
+    evenly (DDP needs equal step counts); ``first_time`` is False for those repeats.
+    """
+    n = len(order)
+    if world_size == 1 or n == 0:
+        return [(k, True) for k in order]
+    total = -(-n // world_size) * world_size
+    padded = [(order[i % n], i < n) for i in range(total)]
+    return padded[rank:total:world_size]
+
+
+class EpochSampler(Sampler[int]):
+    """This rank's keys for one epoch (see :func:`rank_share`)."""
+
+    def __init__(
+        self, n: int, *, shuffle: bool, seed: int, epoch: int, rank: int, world_size: int
+    ) -> None:
+        self._keys = [
+            k
+            for k, _ in rank_share(
+                epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch), rank, world_size
+            )
+        ]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -1,0 +1,173 @@
+"""Writing a dataset: items -> ``chunk-{writer}-{n}.bin`` + ``{writer}.index.json`` -> merge.
+
+Each writer (one per DataLoader worker per rank) owns its file names, so writers never
+share a file. A chunk is published by atomic rename once complete; ``{writer}.index.json``
+is written when the writer finishes; ``index.json`` is written last by :func:`merge_dir`
+and is the commit point: a reader that sees it sees every chunk it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import __version__
+from .errors import BadIndexError, CacheError, ConfigError
+from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
+from .format.index import format_checksum, new_hasher
+from .fsutil import atomic_write
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def writer_index_name(writer: int) -> str:
+    return f"{writer}.index.json"
+
+
+class ChunkWriter:
+    """Buffers items and writes them as chunks of at most ``chunk_bytes`` / ``chunk_size``.
+
+    A single item larger than ``chunk_bytes`` gets a chunk of its own. Keys may arrive in
+    any order; each chunk records the runs of keys it holds.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        writer: int = 0,
+        *,
+        chunk_bytes: int | None = None,
+        chunk_size: int | None = None,
+        token: str | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be > 0, got {chunk_size}")
+        if chunk_bytes is None and chunk_size is None:
+            chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.directory = directory
+        self.writer = writer
+        self.chunk_bytes = chunk_bytes
+        self.chunk_size = chunk_size
+        self.token = token
+        self.allow_pickle = allow_pickle
+        self._keys: list[int] = []
+        self._items: list[list[memoryview | bytes]] = []
+        self._bytes = 0
+        self._entries: list[ChunkEntry] = []
+        self.items_written = 0
+        os.makedirs(directory, exist_ok=True)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"chunk_bytes": self.chunk_bytes, "chunk_size": self.chunk_size,
+                "writer": f"asynccache {__version__}"}
+
+    def add(self, key: int, item: Any) -> None:
+        """Store ``item`` under ``key`` (a non-negative int)."""
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ConfigError(f"cache keys must be non-negative integers, got {key!r}")
+        pieces = encode(item, allow_pickle=self.allow_pickle)
+        size = encoded_size(pieces) + 8
+        full_by_bytes = self.chunk_bytes is not None and self._bytes + size > self.chunk_bytes
+        full_by_count = self.chunk_size is not None and len(self._items) >= self.chunk_size
+        if self._items and (full_by_bytes or full_by_count):
+            self.flush()
+        self._keys.append(key)
+        self._items.append(pieces)
+        self._bytes += size
+        self.items_written += 1
+
+    def flush(self) -> None:
+        """Publish the buffered items as one chunk (no-op when empty)."""
+        if not self._items:
+            return
+        name = f"chunk-{self.writer}-{len(self._entries)}.bin"
+        hasher = new_hasher()
+
+        def pieces() -> Iterable[bytes | memoryview]:
+            for p in build(self._items):
+                hasher.update(p)
+                yield p
+
+        size = atomic_write(os.path.join(self.directory, name), pieces())
+        self._entries.append(
+            ChunkEntry(name, len(self._items), size, format_checksum(hasher), runs(self._keys))
+        )
+        self._keys, self._items, self._bytes = [], [], 0
+
+    def finish(self) -> Index:
+        """Flush and write ``{writer}.index.json``; returns this writer's index."""
+        self.flush()
+        idx = Index(tuple(self._entries), self.config, self.writer, self.token)
+        atomic_write(
+            os.path.join(self.directory, writer_index_name(self.writer)), [idx.to_json().encode()]
+        )
+        return idx
+
+
+def read_index(path: str) -> Index:
+    """Read and validate an index file. Raises BadIndexError naming ``path``."""
+    try:
+        with open(path, "rb") as f:
+            return Index.from_json(f.read(), path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CacheError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def merge_dir(
+    directory: str,
+    writers: Iterable[int],
+    *,
+    token: str | None = None,
+    timeout_s: float = 600.0,
+    config: Mapping[str, Any] | None = None,
+) -> Index:
+    """Wait for every writer's ``{w}.index.json`` of this ``token``, then write ``index.json``.
+
+    Raises:
+        CacheError: a writer's index did not appear within ``timeout_s`` (names which).
+        BadIndexError: the writers' keys overlap or leave gaps.
+    """
+    pending = set(writers)
+    parts: list[Index] = []
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for w in sorted(pending):
+            path = os.path.join(directory, writer_index_name(w))
+            with contextlib.suppress(FileNotFoundError):
+                part = read_index(path)
+                if token is None or part.token == token:
+                    parts.append(part)
+                    pending.discard(w)
+        if pending:
+            if time.monotonic() > deadline:
+                raise CacheError(
+                    f"{directory}: writers {sorted(pending)} did not finish within {timeout_s}s"
+                )
+            time.sleep(0.02)
+    cfg = dict(config or (parts[0].config if parts else {}))
+    try:
+        idx = merge(parts, cfg)
+    except BadIndexError as exc:
+        raise BadIndexError(f"{directory}: cannot merge writer indexes: {exc}") from exc
+    atomic_write(os.path.join(directory, INDEX_NAME), [idx.to_json().encode()], fsync=True)
+    return idx
+
+
+def remove_partial(directory: str) -> None:
+    """Delete the files of an unfinished write (no ``index.json``): chunks and writer indexes."""
+    if os.path.exists(os.path.join(directory, INDEX_NAME)):
+        return
+    for pattern in ("chunk-*-*.bin", "*.index.json"):
+        for path in glob.glob(os.path.join(directory, pattern)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
