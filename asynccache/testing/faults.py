@@ -1,0 +1,310 @@
+"""FaultProxy: a real HTTP reverse proxy on loopback that misbehaves on request.
+
+It sits in front of an upstream base URL (a plain HTTP origin or an S3-compatible server)
+and forwards every request unchanged (method, path, query, body and headers, ``Host``,
+``Authorization``, ``Range`` and ``x-amz-*`` included, so SigV4 signatures still verify),
+except when a programmed :class:`Fault` matches: then it answers with a 5xx or 429, resets
+the connection mid-body, truncates the body below its ``Content-Length``, stalls, or flips
+bytes. Every request is logged (method, path, Range) so tests can count GETs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["Fault", "FaultProxy", "RequestRecord", "ServerThread"]
+
+FaultKind = Literal["status", "reset", "truncate", "stall", "flip"]
+
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+}
+_PIECE = 64 << 10
+
+
+@dataclasses.dataclass
+class Fault:
+    """One programmed misbehaviour, applied to the next ``times`` matching requests.
+
+    Attributes:
+        kind: ``status`` (answer ``status`` without asking upstream; with 429 and
+            ``retry_after`` this is rate limiting), ``reset`` (abort the connection after
+            ``after_bytes`` body bytes), ``truncate`` (close cleanly after ``after_bytes``
+            while ``Content-Length`` promises more), ``stall`` (send ``after_bytes`` then
+            nothing for ``stall_s``), ``flip`` (invert the body byte at ``flip_at``).
+        times: how many matching requests it affects.
+        path: only requests whose path contains this string match (None: all).
+        methods: only these methods match.
+    """
+
+    kind: FaultKind
+    times: int = 1
+    path: str | None = None
+    methods: tuple[str, ...] = ("GET",)
+    status: int = 503
+    retry_after: float | None = None
+    after_bytes: int = 0
+    stall_s: float = 3600.0
+    flip_at: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (
+            self.times > 0 and method in self.methods and (self.path is None or self.path in path)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """One request the proxy received."""
+
+    method: str
+    path: str
+    range: str | None
+    fault: FaultKind | None
+
+
+class ServerThread:
+    """An ``aiohttp.web`` application served on a free loopback port from its own thread.
+
+    Invariants: the thread is named and a daemon; :meth:`close` stops the site, runs the
+    application's cleanup, closes the loop and joins the thread, within a bound; it is
+    idempotent. ``url`` is valid between :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, make_app: Callable[[], Awaitable[web.Application]], *, name: str) -> None:
+        self._make_app = make_app
+        self._name = name
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._stop = asyncio.Event()
+        self.url = ""
+
+    def start(self, timeout: float = 10.0) -> str:
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._serve(ready))
+            except BaseException as exc:
+                errors.append(exc)
+                ready.set()
+            finally:
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError(f"{self._name} did not start within {timeout}s")
+        if errors:
+            raise errors[0]
+        return self.url
+
+    async def _serve(self, ready: threading.Event) -> None:
+        app = await self._make_app()
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=1.0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        ready.set()
+        await self._stop.wait()
+        await self._runner.cleanup()
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        self._loop.call_soon_threadsafe(fn)
+
+    def close(self, timeout: float = 10.0) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._stop.set)
+        thread.join(timeout)
+
+
+class FaultProxy:
+    """A reverse proxy in front of ``upstream`` that injects programmed faults.
+
+    Usage::
+
+        with FaultProxy(origin_url) as proxy:
+            proxy.add_fault(Fault("status", times=3, status=503))
+            ...  # point the client at proxy.url
+            assert proxy.count("GET", "chunk-0.bin") == 1
+
+    Invariants: faults are consumed in the order added, one per matching request; the
+    request log and fault list are guarded by a lock (read them from any thread); stalls
+    end when the proxy closes, so closing never waits on a stalled response.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self._mu = threading.Lock()
+        self._faults: list[Fault] = []
+        self._log: list[RequestRecord] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._closing: asyncio.Event | None = None
+        self._server = ServerThread(self._make_app, name="asynccache-faultproxy")
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def __enter__(self) -> FaultProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> str:
+        return self._server.start()
+
+    def close(self) -> None:
+        closing = self._closing
+        if closing is not None:
+            with contextlib.suppress(RuntimeError):
+                self._server.call_soon(closing.set)
+        self._server.close()
+
+    # -- programming and inspecting ------------------------------------------------------
+    def add_fault(self, fault: Fault) -> None:
+        with self._mu:
+            self._faults.append(fault)
+
+    def clear_faults(self) -> None:
+        with self._mu:
+            self._faults.clear()
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        with self._mu:
+            return list(self._log)
+
+    def count(self, method: str = "GET", path: str | None = None) -> int:
+        """Requests with ``method`` whose path contains ``path``."""
+        return sum(
+            1 for r in self.requests if r.method == method and (path is None or path in r.path)
+        )
+
+    # -- the server ----------------------------------------------------------------------
+    async def _make_app(self) -> web.Application:
+        self._closing = asyncio.Event()
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, sock_read=60)
+        )
+        app = web.Application(client_max_size=1 << 34)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+
+        async def cleanup(_: web.Application) -> None:
+            if self._session is not None:
+                await self._session.close()
+
+        app.on_cleanup.append(cleanup)
+        return app
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self._mu:
+            for fault in self._faults:
+                if fault.matches(method, path):
+                    fault.times -= 1
+                    return dataclasses.replace(fault)
+            return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        fault = self._take_fault(request.method, request.path)
+        with self._mu:
+            self._log.append(
+                RequestRecord(
+                    request.method,
+                    request.path,
+                    request.headers.get("Range"),
+                    fault.kind if fault else None,
+                )
+            )
+        if fault is not None and fault.kind == "status":
+            headers = {}
+            if fault.retry_after is not None:
+                headers["Retry-After"] = f"{fault.retry_after:g}"
+            return web.Response(status=fault.status, headers=headers, text="injected fault")
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        body = await request.read() if request.can_read_body else None
+        async with self._session.request(
+            request.method,
+            self.upstream + request.path_qs,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        ) as upstream:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for k, v in upstream.headers.items():
+                if k.lower() not in _HOP_BY_HOP:
+                    resp.headers.add(k, v)
+            await resp.prepare(request)
+            if request.method == "HEAD":
+                return resp
+            return await self._relay(request, resp, upstream, fault)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        fault: Fault | None,
+    ) -> web.StreamResponse:
+        sent = 0
+        async for piece in upstream.content.iter_chunked(_PIECE):
+            if (
+                fault is not None
+                and fault.kind == "flip"
+                and sent <= fault.flip_at < sent + len(piece)
+            ):
+                i = fault.flip_at - sent
+                piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1 :]
+            if fault is not None and fault.kind in ("reset", "truncate", "stall"):
+                room = fault.after_bytes - sent
+                if room < len(piece):
+                    if room > 0:
+                        await resp.write(piece[:room])
+                        sent += room
+                    return await self._misbehave(request, resp, fault)
+            await resp.write(piece)
+            sent += len(piece)
+        await resp.write_eof()
+        return resp
+
+    async def _misbehave(
+        self, request: web.Request, resp: web.StreamResponse, fault: Fault
+    ) -> web.StreamResponse:
+        transport = request.transport
+        if fault.kind == "stall":
+            assert self._closing is not None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), fault.stall_s)
+        if transport is not None:
+            if fault.kind == "truncate":
+                transport.close()  # a clean FIN, fewer bytes than Content-Length promised
+            else:
+                transport.abort()  # a reset (and the end of a stall)
+        raise asyncio.CancelledError  # the response cannot be finished: drop the handler

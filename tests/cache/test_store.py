@@ -1,0 +1,160 @@
+"""The cache directory: atomic publish, orphan sweep, locks, pins and LRU eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from asynccache.cache import ChunkStore, FileLock, TempFile, dataset_dir, sweep_orphans
+from asynccache.cache.layout import is_temp_name
+from asynccache.errors import CacheError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _publish(store: ChunkStore, name: str, data: bytes) -> None:
+    tmp = store.create_temp(name, len(data))
+    tmp.pwrite(data, 0)
+    tmp.publish()
+
+
+def test_dataset_dir_changes_with_the_index_checksum(tmp_path) -> None:
+    a = dataset_dir(tmp_path, "s3://b/ds", "aaaa")
+    assert a == dataset_dir(tmp_path, "s3://b/ds", "aaaa")
+    assert a != dataset_dir(tmp_path, "s3://b/ds", "bbbb")
+    assert a != dataset_dir(tmp_path, "s3://b/other", "aaaa")
+    assert a.parent == tmp_path
+
+
+def test_publish_is_atomic_and_leaves_no_temp(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    tmp = store.create_temp("c.bin", 8)
+    assert is_temp_name(tmp.path.name) and f".{os.getpid()}." in tmp.path.name
+    tmp.pwrite(b"5678", 4)
+    tmp.pwrite(b"1234", 0)
+    assert not store.is_cached("c.bin")
+    tmp.publish()
+    assert (tmp_path / "ds" / "c.bin").read_bytes() == b"12345678"
+    assert [p.name for p in (tmp_path / "ds").iterdir() if p.is_file()] == ["c.bin"]
+
+
+def test_discard_removes_the_temp(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    tmp = store.create_temp("c.bin", 8)
+    tmp.discard()
+    tmp.discard()
+    assert not any(p.is_file() for p in (tmp_path / "ds").iterdir())
+
+
+def test_sweep_removes_only_orphans(tmp_path) -> None:
+    root = tmp_path / "ds"
+    root.mkdir()
+    # a writer that dies mid-write: its flock goes with it
+    script = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        from asynccache.cache.layout import TempFile
+        t = TempFile(Path({str(root)!r}) / "dead.bin", 100)
+        t.pwrite(b"x" * 10, 0)
+        os._exit(0)
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    live = TempFile(root / "live.bin", 100)
+    names = sorted(p.name for p in root.iterdir())
+    assert len(names) == 2
+    removed = sweep_orphans(root)
+    assert len(removed) == 1 and removed[0].startswith(".dead.bin.")
+    assert [p.name for p in root.iterdir()] == [live.path.name]
+    live.discard()
+
+
+def test_disk_full_is_a_cache_error_naming_the_dir(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 62)
+    with pytest.raises(CacheError) as info:
+        store.create_temp("huge.bin", 1 << 55)
+    assert str(tmp_path / "ds") in str(info.value)
+    assert not any(p.is_file() for p in (tmp_path / "ds").iterdir())
+
+
+def test_pin_unpin_counts(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    assert store.pin("missing.bin") is None
+    _publish(store, "a.bin", b"a" * 10)
+    assert store.pin("a.bin") == str(tmp_path / "ds" / "a.bin")
+    assert store.pin("a.bin") is not None
+    assert store.pinned() == {"a.bin": 2}
+    store.unpin("a.bin")
+    store.unpin("a.bin")
+    assert store.pinned() == {}
+    with pytest.raises(CacheError):
+        store.unpin("a.bin")
+
+
+async def test_lru_eviction_keeps_pinned_chunks(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=300)
+    other = ChunkStore(tmp_path / "ds", max_cache_bytes=300)  # another process's view
+    for i, name in enumerate(["a.bin", "b.bin", "c.bin"]):
+        _publish(store, name, b"x" * 100)
+        os.utime(store.path(name), (1000 + i, 1000 + i))
+    assert other.pin("a.bin")  # oldest, but pinned (by a different open file)
+    removed = await store.make_room(150)
+    assert removed == 200
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.is_file()) == ["a.bin"]
+    other.unpin("a.bin")
+    assert await store.make_room(300) == 100
+    assert store.used_bytes() == 0
+
+
+async def test_pin_touches_lru_order(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=200)
+    for i, name in enumerate(["a.bin", "b.bin"]):
+        _publish(store, name, b"x" * 100)
+        os.utime(store.path(name), (1000 + i, 1000 + i))
+    store.pin("a.bin")
+    store.unpin("a.bin")  # a is now the most recently used
+    await store.make_room(100)
+    assert store.is_cached("a.bin") and not store.is_cached("b.bin")
+
+
+async def test_lock_waits_without_polling_and_is_bounded(tmp_path) -> None:
+    path = str(tmp_path / "x.lock")
+    holder = FileLock(path, timeout=1)
+    await holder.acquire()
+    with pytest.raises(CacheError, match="waited"):
+        async with FileLock(path, timeout=0.2):
+            pass
+    waiter = asyncio.ensure_future(FileLock(path, timeout=5).acquire())
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    t0 = time.monotonic()
+    holder.release()
+    await asyncio.wait_for(waiter, 5)
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_cancelled_lock_wait_leaks_nothing(tmp_path) -> None:
+    path = str(tmp_path / "x.lock")
+    holder = FileLock(path, timeout=1)
+    await holder.acquire()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    waiter = asyncio.ensure_future(FileLock(path, timeout=5).acquire())
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    holder.release()
+    for _ in range(50):  # the abandoned waiter thread closes its descriptor once granted
+        if len(os.listdir("/proc/self/fd")) <= fds_before - 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before - 1
+    async with FileLock(path, timeout=1):
+        pass
