@@ -17,6 +17,8 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator
 
+import aiofiles
+
 from ..errors import ConfigError
 
 
@@ -71,9 +73,9 @@ class Storage(abc.ABC):
         No retries and no atomic publish here: that is the downloader's job.
         """
         n = 0
-        with open(dest, "wb") as f:
+        async with aiofiles.open(dest, "wb") as f:
             async for piece in self.iter_range(key):
-                f.write(piece)
+                await f.write(piece)
                 n += len(piece)
         return n
 
@@ -89,7 +91,7 @@ class Storage(abc.ABC):
         """Delete ``key``. Deleting a missing key is not an error."""
         await self._delete_impl(_check_key(key, self.url))
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op for most backends
         """Release sessions and connections. Idempotent."""
 
     # -- what a backend implements ---------------------------------------------------

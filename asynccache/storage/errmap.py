@@ -1,0 +1,128 @@
+"""Translation of transport failures into the :mod:`asynccache.errors` storage tree.
+
+The one place where aiohttp exceptions and HTTP status codes become asynccache errors,
+so every backend maps them the same way:
+
+===========================================  ==========================================
+cause                                         raised
+===========================================  ==========================================
+404, ``NoSuchKey``, ``NoSuchBucket``          :class:`ObjectNotFoundError`
+401, 403                                      :class:`AuthError` (names the credential
+                                              source, never the secret)
+429 (``retry_after`` from Retry-After), 5xx   :class:`TransientError`
+reset, refused, payload error, short body     :class:`TransientError`
+timeout                                       :class:`StorageTimeoutError`
+TLS certificate rejected                      :class:`StorageError` (not retried)
+any other status                              :class:`StorageError`
+===========================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import aiohttp
+
+from ..errors import (
+    AuthError,
+    ObjectNotFoundError,
+    StorageError,
+    StorageTimeoutError,
+    TransientError,
+)
+
+__all__ = ["error_code", "map_client_errors", "parse_retry_after", "status_error"]
+
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound"})
+_AUTH_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+)
+_TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"})
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``<Code>`` of an S3 XML error body, or None when there is none."""
+    if not body.lstrip().startswith(b"<"):
+        return None
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return None
+    for el in root.iter():
+        if el.tag.rsplit("}", 1)[-1] == "Code" and el.text:
+            return el.text.strip()
+    return None
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP date), else None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def status_error(
+    status: int,
+    url: str,
+    *,
+    body: bytes = b"",
+    headers: Mapping[str, str] | None = None,
+    method: str = "GET",
+    credential_source: str | None = None,
+) -> StorageError:
+    """The storage error for an unexpected HTTP ``status`` on ``url``."""
+    code = error_code(body)
+    what = f"{method} {url} -> HTTP {status}" + (f" {code}" if code else "")
+    if status == 404 or code in _NOT_FOUND_CODES:
+        return ObjectNotFoundError(f"not found: {what}", url=url)
+    if status in (401, 403) or code in _AUTH_CODES:
+        source = f" (credentials from {credential_source})" if credential_source else ""
+        return AuthError(f"access denied: {what}{source}", url=url)
+    if status == 429 or status >= 500 or code in _TRANSIENT_CODES:
+        retry_after = parse_retry_after((headers or {}).get("Retry-After"))
+        return TransientError(f"server busy or failing: {what}", url=url, retry_after=retry_after)
+    return StorageError(f"unexpected response: {what}", url=url)
+
+
+@asynccontextmanager
+async def map_client_errors(url: str, method: str = "GET") -> AsyncIterator[None]:
+    """Translate aiohttp/OS/timeout exceptions raised inside the block, naming ``url``.
+
+    asynccache errors pass through unchanged.
+    """
+    try:
+        yield
+    except StorageError:
+        raise
+    except aiohttp.ClientConnectorCertificateError as exc:
+        raise StorageError(
+            f"TLS certificate of {url} was rejected ({exc.certificate_error}); pass "
+            "storage_options={'verify': False} or ASYNCCACHE_VERIFY_TLS=0 to trust it",
+            url=url,
+        ) from exc
+    except aiohttp.ClientSSLError as exc:
+        raise StorageError(f"TLS handshake with {url} failed: {exc}", url=url) from exc
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise StorageTimeoutError(f"{method} {url} timed out", url=url) from exc
+    except aiohttp.ClientPayloadError as exc:
+        raise TransientError(f"{method} {url}: body cut short ({exc})", url=url) from exc
+    except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+        raise TransientError(f"{method} {url}: connection failed ({exc!r})", url=url) from exc
+    except aiohttp.ClientResponseError as exc:
+        raise status_error(exc.status, url, method=method) from exc
+    except aiohttp.ClientError as exc:
+        raise StorageError(f"{method} {url} failed: {exc!r}", url=url) from exc

@@ -1,0 +1,170 @@
+"""``open_storage``: the one place that turns a URL into a backend.
+
+URL forms: a path or ``file://``; ``http(s)://``; ``s3://bucket[/prefix]``. Everything
+the backends need from the environment arrives as arguments (``settings``, ``aws_env``),
+so this module never reads ``os.environ`` itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..config import Settings, parse_size
+from ..errors import ConfigError
+from .base import Storage
+from .http import HttpStorage
+from .local import LocalStorage
+from .s3 import S3Storage
+from .s3_auth import S3Signer
+from .transport import verify_tls
+
+__all__ = ["S3_OPTION_KEYS", "open_storage"]
+
+#: storage_options keys understood by the S3 backend.
+S3_OPTION_KEYS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "profile",
+        "anon",
+        "verify",
+        "addressing_style",
+        "multipart_threshold",
+        "part_size",
+    }
+)
+_HTTP_OPTION_KEYS = frozenset({"verify"})
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
+
+
+def open_storage(
+    url: str,
+    settings: Settings,
+    storage_options: Mapping[str, Any] | None = None,
+    aws_env: Mapping[str, str] | None = None,
+) -> Storage:
+    """The backend for ``url``. Creating it does no I/O; the first call connects.
+
+    Args:
+        url: ``/local/dir``, ``file:///local/dir``, ``http(s)://host/path`` or
+            ``s3://bucket[/prefix]``.
+        settings: timeouts, connection limit and TLS default.
+        storage_options: per-backend options (see docs/storage.md); override settings.
+        aws_env: the ``AWS_*`` variables (``Settings.aws_env()``), for S3 endpoint/region.
+
+    Raises:
+        ConfigError: unknown scheme, malformed URL or unknown option; names the URL.
+    """
+    options = dict(storage_options or {})
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"storage URL must be a non-empty string, got {url!r}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):
+        return _open_local(url, parts.path if scheme == "file" else url, parts.netloc, options)
+    if scheme in ("http", "https"):
+        _check_options(options, _HTTP_OPTION_KEYS, url)
+        if not parts.hostname:
+            raise ConfigError(f"malformed URL {url!r}: no host")
+        if parts.username or parts.password:
+            raise ConfigError(
+                f"malformed URL {_redact(url)!r}: credentials in URLs are not supported"
+            )
+        return HttpStorage(url.rstrip("/"), settings, verify=verify_tls(settings, options))
+    if scheme in ("s3", "s3a"):
+        return _open_s3(url, parts.netloc, parts.path, settings, options, aws_env or {})
+    raise ConfigError(
+        f"unsupported storage URL {_redact(url)!r}: scheme {scheme!r} is not "
+        "one of file, http, https, s3"
+    )
+
+
+def _open_local(url: str, path: str, netloc: str, options: Mapping[str, Any]) -> Storage:
+    _check_options(options, frozenset(), url)
+    if netloc not in ("", "localhost"):
+        raise ConfigError(f"malformed URL {url!r}: file:// URLs must be local (file:///path)")
+    if not path:
+        raise ConfigError(f"malformed URL {url!r}: no path")
+    return LocalStorage(unquote(path), url=url.rstrip("/") or url)
+
+
+def _open_s3(
+    url: str,
+    bucket: str,
+    path: str,
+    settings: Settings,
+    options: Mapping[str, Any],
+    aws_env: Mapping[str, str],
+) -> Storage:
+    _check_options(options, S3_OPTION_KEYS, url)
+    if not bucket or "@" in bucket or ":" in bucket or not _BUCKET_RE.match(bucket):
+        raise ConfigError(f"malformed S3 URL {url!r}: expected s3://bucket[/prefix]")
+    prefix = unquote(path).strip("/")
+    if any(p in ("", ".", "..") for p in prefix.split("/")) and prefix:
+        raise ConfigError(f"malformed S3 URL {url!r}: empty or relative path segment")
+    region = str(
+        options.get("region_name")
+        or aws_env.get("AWS_REGION")
+        or aws_env.get("AWS_DEFAULT_REGION")
+        or "us-east-1"
+    )
+    endpoint = (
+        options.get("endpoint_url")
+        or aws_env.get("AWS_ENDPOINT_URL_S3")
+        or aws_env.get("AWS_ENDPOINT_URL")
+    )
+    style = str(options.get("addressing_style", "auto"))
+    if style not in ("auto", "path", "virtual"):
+        raise ConfigError(f"addressing_style must be auto, path or virtual, got {style!r}")
+    if endpoint:
+        ep = urlsplit(str(endpoint))
+        if ep.scheme not in ("http", "https") or not ep.hostname:
+            raise ConfigError(f"endpoint_url {endpoint!r} for {url} must be http(s)://host")
+        endpoint = f"{ep.scheme}://{ep.netloc}"
+        path_style = style != "virtual"
+    else:
+        endpoint = f"https://s3.{region}.amazonaws.com"
+        path_style = style == "path" or (style == "auto" and "." in bucket)
+    return S3Storage(
+        f"s3://{bucket}" + (f"/{prefix}" if prefix else ""),
+        bucket=bucket,
+        prefix=prefix,
+        endpoint=str(endpoint),
+        path_style=path_style,
+        signer=S3Signer(options, aws_env, region),
+        settings=settings,
+        verify=verify_tls(settings, options),
+        multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
+        part_size=_size_option(options, "part_size", 16 << 20, url),
+    )
+
+
+def _size_option(options: Mapping[str, Any], name: str, default: int, url: str) -> int:
+    value = options.get(name, default)
+    try:
+        size = parse_size(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"storage option {name}={value!r} for {url} is not a size") from exc
+    if size <= 0:
+        raise ConfigError(f"storage option {name} for {url} must be > 0, got {size}")
+    return size
+
+
+def _check_options(options: Mapping[str, Any], known: frozenset[str], url: str) -> None:
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown storage option(s) {unknown} for {_redact(url)}; known: "
+            f"{sorted(known) or 'none'}"
+        )
+
+
+def _redact(url: str) -> str:
+    """``url`` without any ``user:password@`` part."""
+    return re.sub(r"//[^/@]*@", "//***@", url)

@@ -1,0 +1,269 @@
+"""S3-compatible backend: ``s3://bucket/prefix`` on AWS or any endpoint (SeaweedFS, MinIO).
+
+Transport is aiohttp (one pooled session per backend); botocore only signs (SigV4) and
+resolves credentials. Invariants: path-style URLs for custom endpoints; every request
+is signed just before it is sent (credentials may rotate); payloads are sent
+``UNSIGNED-PAYLOAD`` so bodies stream from disk; secrets never reach a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import aiofiles
+from multidict import CIMultiDictProxy
+
+from ..config import Settings
+from ..errors import ObjectNotFoundError, StorageError
+from .base import ObjectInfo, Storage
+from .errmap import error_code, map_client_errors, status_error
+from .s3_auth import S3Signer
+from .transport import SessionHolder, check_range, encoded_url, range_header, stream_body
+
+__all__ = ["S3Storage"]
+
+_DEFAULT_THRESHOLD = 64 << 20
+_DEFAULT_PART = 16 << 20
+_MIN_PART = 5 << 20
+_FILE_PIECE = 1 << 20
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+
+class S3Response:
+    """Status, headers and (small) body of a completed S3 request."""
+
+    def __init__(self, status: int, headers: CIMultiDictProxy[str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+class S3Storage(Storage):
+    """One ``s3://bucket/prefix`` root.
+
+    Args:
+        url: ``s3://bucket`` or ``s3://bucket/prefix``.
+        bucket: the bucket name. prefix: key prefix without slashes at either end.
+        endpoint: scheme://host[:port] of the service.
+        path_style: ``endpoint/bucket/key`` (True) or ``bucket.endpoint/key``.
+        signer: credentials and SigV4 signing.
+        settings: connection limit, timeouts, TLS default.
+        verify: verify TLS certificates.
+        multipart_threshold: files at least this big are uploaded in parts.
+        part_size: size of each part (at least 5 MiB).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        bucket: str,
+        prefix: str,
+        endpoint: str,
+        path_style: bool,
+        signer: S3Signer,
+        settings: Settings,
+        verify: bool,
+        multipart_threshold: int = _DEFAULT_THRESHOLD,
+        part_size: int = _DEFAULT_PART,
+    ) -> None:
+        self.url = url
+        self.bucket = bucket
+        self.prefix = prefix
+        self.endpoint = endpoint.rstrip("/")
+        self.path_style = path_style
+        self.signer = signer
+        self.multipart_threshold = multipart_threshold
+        self.part_size = max(part_size, _MIN_PART)
+        self.upload_concurrency = max(1, min(4, settings.max_concurrency))
+        self._sessions = SessionHolder(settings, verify=verify)
+
+    def __repr__(self) -> str:
+        return (
+            f"S3Storage({self.url!r}, endpoint={self.endpoint!r}, "
+            f"credentials={self.signer.source!r}, verify={self._sessions.verify})"
+        )
+
+    # -- addressing ------------------------------------------------------------------
+    def _full_key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _bucket_url(self) -> str:
+        if self.path_style:
+            return f"{self.endpoint}/{quote(self.bucket, safe='')}"
+        scheme, host = self.endpoint.split("://", 1)
+        return f"{scheme}://{self.bucket}.{host}"
+
+    def href(self, key: str | None, query: Mapping[str, str] | None = None) -> str:
+        """The encoded request URL for ``key`` under the root (None: the bucket)."""
+        url = self._bucket_url() + "/"
+        if key is not None:
+            url += quote(self._full_key(key), safe="/~")
+        if query:
+            url += "?" + "&".join(
+                f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items())
+            )
+        return url
+
+    # -- requests --------------------------------------------------------------------
+    async def request(
+        self,
+        method: str,
+        key: str | None,
+        *,
+        what: str,
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        data: Any = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> S3Response:
+        """Send one signed request and read its (small) body; raise mapped errors.
+
+        ``what`` is the URL named in messages.
+        """
+        href = self.href(key, query)
+        async with map_client_errors(what, method):
+            signed = await self.signer.sign(method, href, headers)
+            session = self._sessions.get()
+            async with session.request(
+                method, encoded_url(href), headers=signed, data=data
+            ) as resp:
+                body = await resp.read()
+                if resp.status not in ok:
+                    raise status_error(
+                        resp.status,
+                        what,
+                        body=body,
+                        headers=resp.headers,
+                        method=method,
+                        credential_source=self.signer.source,
+                    )
+                return S3Response(resp.status, resp.headers, body)
+
+    async def _head_impl(self, key: str) -> ObjectInfo:
+        resp = await self.request("HEAD", key, what=self.object_url(key))
+        size = resp.headers.get("Content-Length")
+        if size is None:
+            raise StorageError(
+                f"HEAD {self.object_url(key)}: no Content-Length", url=self.object_url(key)
+            )
+        return ObjectInfo(key=key, size=int(size), etag=resp.headers.get("ETag"))
+
+    async def _iter_range_impl(self, key: str, start: int, end: int | None) -> AsyncIterator[bytes]:
+        url = self.object_url(key)
+        check_range(start, end, url)
+        if end is not None and end == start:
+            return
+        headers = {}
+        rng = range_header(start, end)
+        if rng:
+            headers["Range"] = rng
+        href = self.href(key)
+        async with map_client_errors(url):
+            signed = await self.signer.sign("GET", href, headers)
+            resp = await self._sessions.get().get(encoded_url(href), headers=signed)
+        done = False
+        try:
+            if resp.status not in (200, 206):
+                async with map_client_errors(url):
+                    body = await resp.content.read(8192)
+                raise status_error(
+                    resp.status,
+                    url,
+                    body=body,
+                    headers=resp.headers,
+                    credential_source=self.signer.source,
+                )
+            async for piece in stream_body(resp, url, start, end):
+                yield piece
+            done = True
+        finally:
+            # An abandoned body must not go back to the pool half-read.
+            if done:
+                resp.release()
+            else:
+                resp.close()
+
+    async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            query = {"list-type": "2", "prefix": full}
+            if token:
+                query["continuation-token"] = token
+            resp = await self.request("GET", None, what=self.url, query=query)
+            root = _parse_xml(resp.body, self.url)
+            for item in root.iter(f"{_NS}Contents"):
+                key = item.findtext(f"{_NS}Key") or ""
+                size = int(item.findtext(f"{_NS}Size") or 0)
+                if key.endswith("/") and size == 0:
+                    continue  # directory marker some stores create
+                out.append(ObjectInfo(key=key[strip:], size=size, etag=item.findtext(f"{_NS}ETag")))
+            token = root.findtext(f"{_NS}NextContinuationToken")
+            if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
+                return out
+
+    async def _upload_impl(self, src: str, key: str) -> int:
+        try:
+            size = await asyncio.to_thread(os.path.getsize, src)
+        except OSError as exc:
+            raise ObjectNotFoundError(
+                f"cannot upload {src}: {exc.strerror}", url=self.object_url(key)
+            ) from exc
+        if size >= self.multipart_threshold:
+            from .s3_multipart import upload_multipart
+
+            await upload_multipart(self, src, key, size)
+            return size
+        await self.request(
+            "PUT",
+            key,
+            what=self.object_url(key),
+            headers={"Content-Length": str(size)},
+            data=file_body(src, 0, size),
+        )
+        return size
+
+    async def _delete_impl(self, key: str) -> None:
+        url = self.object_url(key)
+        try:
+            await self.request("DELETE", key, what=url, ok=(200, 204))
+        except ObjectNotFoundError as exc:
+            if "NoSuchBucket" in str(exc):
+                raise
+            return
+
+    async def close(self) -> None:
+        await self._sessions.close()
+
+    @property
+    def session_holder(self) -> SessionHolder:
+        """The session owner (exposes ``verify`` and ``ssl_mode`` for inspection)."""
+        return self._sessions
+
+
+async def file_body(path: str, offset: int, length: int) -> AsyncIterator[bytes]:
+    """Stream ``length`` bytes of ``path`` from ``offset`` without blocking the loop."""
+    async with aiofiles.open(path, "rb") as f:
+        await f.seek(offset)
+        remaining = length
+        while remaining > 0:
+            piece = await f.read(min(_FILE_PIECE, remaining))
+            if not piece:
+                raise StorageError(f"{path} shrank while uploading it")
+            remaining -= len(piece)
+            yield piece
+
+
+def _parse_xml(body: bytes, url: str) -> ET.Element:
+    try:
+        return ET.fromstring(body)
+    except ET.ParseError as exc:
+        raise StorageError(f"malformed XML from {url}: {error_code(body) or exc}", url=url) from exc

