@@ -1,0 +1,246 @@
+"""Downloader behaviour against an in-memory storage: hits, single-flight, parts, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import xxhash
+from dl_support import DictStorage
+
+from asynccache.bridge import LoopThread
+from asynccache.cache import ChunkStore
+from asynccache.config import Settings
+from asynccache.download import ChunkSpec, Downloader, prefetch_dataset
+from asynccache.errors import (
+    AuthError,
+    ChecksumMismatchError,
+    ObjectNotFoundError,
+    RetriesExhaustedError,
+    StorageTimeoutError,
+    TransientError,
+)
+from asynccache.storage.base import Storage
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _settings(tmp_path, **kw) -> Settings:
+    base = dict(
+        cache_dir=str(tmp_path),
+        retries=3,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        timeout_s=2.0,
+        part_bytes=1 << 20,
+        max_concurrency=4,
+        prefetch_chunks=2,
+    )
+    base.update(kw)
+    return Settings(**base)
+
+
+def _objects(n: int, size: int) -> dict[str, bytes]:
+    return {f"c{i}.bin": os.urandom(size) for i in range(n)}
+
+
+def _xx(data: bytes) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+@pytest.fixture
+def lt():
+    loop_thread = LoopThread()
+    yield loop_thread
+    loop_thread.close()
+
+
+def _make(tmp_path, lt, objects, **kw):
+    storage = DictStorage(objects)
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=kw.pop("budget", 1 << 30))
+    return storage, store, Downloader(storage, store, _settings(tmp_path, **kw), loop_thread=lt)
+
+
+def _files(store: ChunkStore) -> list[str]:
+    return sorted(p.name for p in store.root.iterdir() if p.is_file())
+
+
+def test_miss_then_hit(tmp_path, lt) -> None:
+    objects = _objects(1, 1000)
+    storage, _store, dl = _make(tmp_path, lt, objects)
+    data = objects["c0.bin"]
+    path = dl.ensure("c0.bin", len(data), _xx(data)).result(10)
+    assert _read(path) == data
+    assert dl.ensure("c0.bin", len(data), _xx(data)).result(10) == path
+    s = dl.stats
+    assert (s.misses, s.hits, s.chunks_fetched, s.bytes) == (1, 1, 1, 1000)
+    assert "hits=1" in repr(dl) and "fetched=1" in repr(dl)
+    assert len(storage.reads) == 1
+    dl.close()
+
+
+def test_single_flight(tmp_path, lt) -> None:
+    objects = _objects(1, 300_000)
+    storage, _store, dl = _make(tmp_path, lt, objects)
+    storage.delay_s = 0.01
+    futs = [dl.ensure("c0.bin", 300_000) for _ in range(20)]
+    assert len({f.result(10) for f in futs}) == 1
+    assert len(storage.reads) == 1
+
+
+def test_large_chunk_in_parallel_ranged_parts(tmp_path, lt) -> None:
+    data = os.urandom(1_000_000)
+    storage, _store, dl = _make(tmp_path, lt, {"big.bin": data}, part_bytes=256 << 10)
+    path = dl.ensure("big.bin", len(data), _xx(data)).result(10)
+    assert _read(path) == data
+    assert sorted((s, e) for _, s, e in storage.reads) == [
+        (0, 262144),
+        (262144, 524288),
+        (524288, 786432),
+        (786432, 1_000_000),
+    ]
+
+
+def test_size_from_head_when_unknown(tmp_path, lt) -> None:
+    objects = _objects(1, 5000)
+    _, _, dl = _make(tmp_path, lt, objects)
+    assert _read(dl.ensure("c0.bin").result(10)) == objects["c0.bin"]
+
+
+def test_transient_error_resumes_from_received_bytes(tmp_path, lt) -> None:
+    data = os.urandom(100_000)
+    storage, _store, dl = _make(tmp_path, lt, {"c.bin": data})
+    storage.fail_next = [TransientError("reset", retry_after=0.01)]
+    storage.short = 30_000
+    path = dl.ensure("c.bin", len(data), _xx(data)).result(10)
+    assert _read(path) == data
+    assert [(s, e) for _, s, e in storage.reads] == [(0, 100_000), (30_000, 100_000)]
+    assert dl.stats.retries == 1
+
+
+def test_retries_exhausted_names_url_attempts_and_cause(tmp_path, lt) -> None:
+    storage, store, dl = _make(tmp_path, lt, _objects(1, 1000), retries=2)
+    storage.fail_next = [TransientError(f"HTTP 503 #{i}") for i in range(10)]
+    with pytest.raises(RetriesExhaustedError) as info:
+        dl.ensure("c0.bin", 1000).result(10)
+    msg = str(info.value)
+    assert "mem://test/c0.bin" in msg and "3 attempts" in msg and "503" in msg
+    assert info.value.attempts == 3 and isinstance(info.value.__cause__, TransientError)
+    assert _files(store) == []
+
+
+@pytest.mark.parametrize("exc", [ObjectNotFoundError("gone"), AuthError("denied")])
+def test_non_transient_errors_are_not_retried(tmp_path, lt, exc) -> None:
+    storage, _store, dl = _make(tmp_path, lt, _objects(1, 1000))
+    storage.fail_next = [exc]
+    with pytest.raises(type(exc)):
+        dl.ensure("c0.bin", 1000).result(10)
+    assert len(storage.reads) == 1 and dl.stats.retries == 0
+
+
+def test_stall_is_a_timeout_then_retried(tmp_path, lt) -> None:
+    storage, _store, dl = _make(tmp_path, lt, _objects(1, 1000), timeout_s=0.1, retries=1)
+    storage.delay_s = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(RetriesExhaustedError) as info:
+        dl.ensure("c0.bin", 1000).result(10)
+    assert isinstance(info.value.__cause__, StorageTimeoutError)
+    assert time.monotonic() - t0 < 2
+    assert len(storage.reads) == 2
+
+
+def test_checksum_mismatch_is_retried_once_then_raised(tmp_path, lt) -> None:
+    storage, store, dl = _make(tmp_path, lt, _objects(1, 1000))
+    with pytest.raises(ChecksumMismatchError) as info:
+        dl.ensure("c0.bin", 1000, "0" * 16).result(10)
+    assert "mem://test/c0.bin" in str(info.value)
+    assert len(storage.reads) == 2 and _files(store) == []
+
+
+def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
+    class LocalDir(DictStorage):
+        is_local = True
+
+        def local_path(self, key: str) -> str:
+            return str(tmp_path / "src" / key)
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "c.bin").write_bytes(b"abc")
+    storage = LocalDir({})
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    dl = Downloader(storage, store, _settings(tmp_path), loop_thread=lt, verify_local=True)
+    assert dl.ensure("c.bin", 3, _xx(b"abc")).result(10) == str(tmp_path / "src" / "c.bin")
+    with pytest.raises(ChecksumMismatchError):
+        Downloader(storage, store, _settings(tmp_path), loop_thread=lt, verify_local=True).ensure(
+            "c.bin", 3, "0" * 16
+        ).result(10)
+    with pytest.raises(ObjectNotFoundError):
+        dl.ensure("missing.bin").result(10)
+    assert _files(store) == [] and storage.reads == []
+
+
+def test_hint_keeps_the_window_in_flight(tmp_path, lt) -> None:
+    objects = _objects(6, 1000)
+    _storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=2)
+    specs = [ChunkSpec(n, 1000) for n in objects]
+    dl.hint(specs)
+    _wait(lambda: _files(store) == ["c0.bin", "c1.bin"])
+    time.sleep(0.1)
+    assert _files(store) == ["c0.bin", "c1.bin"]  # no further than the window
+    dl.ensure("c0.bin", 1000).result(10)  # the reader moves on: the window slides
+    _wait(lambda: store.is_cached("c2.bin"))
+    assert not store.is_cached("c3.bin")
+
+
+def test_new_hint_cancels_unwanted_downloads(tmp_path, lt) -> None:
+    objects = _objects(4, 100_000)
+    storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=2)
+    storage.delay_s = 0.5  # slow: still in flight when the hint changes
+    dl.hint(["c0.bin", "c1.bin"])
+    _wait(lambda: len(storage.reads) == 2)
+    storage.delay_s = 0.0
+    dl.hint([ChunkSpec("c2.bin", 100_000), ChunkSpec("c3.bin", 100_000)])
+    _wait(lambda: store.is_cached("c2.bin") and store.is_cached("c3.bin"))
+    _wait(lambda: not dl._inflight)
+    assert not store.is_cached("c0.bin") and not store.is_cached("c1.bin")
+    assert _files(store) == ["c2.bin", "c3.bin"]  # cancelled temps removed
+
+
+def test_prefetch_dataset(tmp_path, lt) -> None:
+    objects = _objects(5, 20_000)
+    storage = DictStorage(objects)
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    specs = [ChunkSpec(n, len(d), _xx(d)) for n, d in objects.items()]
+    stats = prefetch_dataset(storage, store, specs, _settings(tmp_path), False, loop_thread=lt)
+    assert stats.chunks_fetched == 5 and stats.bytes == 100_000
+    assert _files(store) == sorted(objects)
+    again = prefetch_dataset(storage, store, specs, _settings(tmp_path), False, loop_thread=lt)
+    assert again.hits == 5 and again.chunks_fetched == 0
+
+
+def test_callers_wait_is_counted(tmp_path, lt) -> None:
+    storage, _store, dl = _make(tmp_path, lt, _objects(1, 100_000))
+    storage.delay_s = 0.05
+    dl.ensure("c0.bin", 100_000).result(10)
+    assert dl.stats.wait_s >= 0.05
+    assert dl.stats.bytes_per_s > 0
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def test_storage_contract_type() -> None:
+    assert issubclass(DictStorage, Storage)
+    assert asyncio.iscoroutinefunction(Downloader.ensure_async)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
