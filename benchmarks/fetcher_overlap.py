@@ -1,0 +1,145 @@
+"""How well the Fetcher overlaps loading with the training step.
+
+A source takes D ms per batch and the step takes C ms. Perfect overlap finishes an
+epoch of n batches in n * max(C, D); a plain loop needs n * (C + D). The figure is
+
+    overlap efficiency = n * max(C, D) / measured epoch time    (1.0 is perfect)
+
+reported as the median of several repetitions with their min-max, for each
+prefetch depth and for the plain loop without a Fetcher. The ideal is this
+machine's limit measured in the same run: the ``sleep accuracy`` line shows how long
+``time.sleep`` really takes here, which bounds what any overlap can reach.
+
+Sources are pluggable: anything in ``SOURCES`` maps ``(n_batches, delay_s)`` to an
+iterable. ``sleep`` models I/O-bound loading (it releases the GIL, like a download
+or a torch op); ``spin`` is a pure-Python busy loop, which holds the GIL and so
+shows the limit of any thread-based overlap. Run::
+
+    python benchmarks/fetcher_overlap.py [--source sleep] [--n 50] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asynccache.torch.fetcher import Fetcher
+
+SourceFactory = Callable[[int, float], Iterable[Any]]
+CONFIGS_MS = [(5.0, 20.0), (20.0, 5.0), (10.0, 10.0)]  # (step C, source D)
+
+
+def sleep_source(n: int, delay_s: float) -> Iterator[int]:
+    """I/O-like: each batch waits ``delay_s`` without holding the GIL."""
+    for i in range(n):
+        time.sleep(delay_s)
+        yield i
+
+
+def spin(seconds: float) -> None:
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def spin_source(n: int, delay_s: float) -> Iterator[int]:
+    """CPU-bound pure Python: each batch spins ``delay_s`` holding the GIL."""
+    for i in range(n):
+        spin(delay_s)
+        yield i
+
+
+SOURCES: dict[str, SourceFactory] = {"sleep": sleep_source, "spin": spin_source}
+
+
+def run_epoch(
+    make_source: SourceFactory, n: int, step_s: float, delay_s: float, prefetch: int | None
+) -> tuple[float, float | None]:
+    """Runs one epoch; returns (seconds, data stall %). ``prefetch=None``: no Fetcher."""
+    source = make_source(n, delay_s)
+    start = time.perf_counter()
+    if prefetch is None:
+        for _ in source:
+            time.sleep(step_s)
+        return time.perf_counter() - start, None
+    with Fetcher(source, prefetch_batches=prefetch) as fetcher:
+        for _ in fetcher:
+            time.sleep(step_s)
+        return time.perf_counter() - start, fetcher.stats.stall_pct
+
+
+@dataclass
+class Row:
+    step_ms: float
+    source_ms: float
+    mode: str
+    efficiencies: list[float]
+    stalls: list[float]
+
+    def markdown(self) -> str:
+        eff = sorted(self.efficiencies)
+        stall = f"{statistics.median(self.stalls):.0f}" if self.stalls else "-"
+        verdict = "ok" if statistics.median(eff) >= 0.9 else "below 0.9"
+        return (
+            f"| {self.step_ms:g} | {self.source_ms:g} | {self.mode} | "
+            f"{statistics.median(eff):.3f} ({eff[0]:.3f}-{eff[-1]:.3f}) | {stall} | {verdict} |"
+        )
+
+
+def measure(make_source: SourceFactory, n: int, reps: int, prefetches: Sequence[int]) -> list[Row]:
+    rows = []
+    for step_ms, source_ms in CONFIGS_MS:
+        ideal = n * max(step_ms, source_ms) / 1000
+        for prefetch in [None, *prefetches]:
+            mode = "plain loop" if prefetch is None else f"Fetcher(prefetch={prefetch})"
+            row = Row(step_ms, source_ms, mode, [], [])
+            for _ in range(reps):
+                seconds, stall = run_epoch(
+                    make_source, n, step_ms / 1000, source_ms / 1000, prefetch
+                )
+                row.efficiencies.append(ideal / seconds)
+                if stall is not None:
+                    row.stalls.append(stall)
+            rows.append(row)
+    return rows
+
+
+def sleep_accuracy(ms: float, samples: int = 20) -> float:
+    """Mean real duration of ``time.sleep(ms)`` here, in ms."""
+    start = time.perf_counter()
+    for _ in range(samples):
+        time.sleep(ms / 1000)
+    return (time.perf_counter() - start) / samples * 1000
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", choices=sorted(SOURCES), default="sleep")
+    parser.add_argument("--n", type=int, default=50, help="batches per epoch")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args(argv)
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"{cores} cores available, source={args.source}, n={args.n}, reps={args.reps}"
+    )
+    accuracy = ", ".join(f"{ms:g} ms -> {sleep_accuracy(ms):.2f} ms" for ms in (5, 10, 20))
+    print(f"sleep accuracy (machine limit): {accuracy}\n")
+    print("| step C ms | source D ms | mode | efficiency median (min-max) | stall % | target 0.9 |")
+    print("|---|---|---|---|---|---|")
+    for row in measure(SOURCES[args.source], args.n, args.reps, args.prefetch):
+        print(row.markdown(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
