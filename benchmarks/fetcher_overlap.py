@@ -12,8 +12,9 @@ machine's limit measured in the same run: the ``sleep accuracy`` line shows how 
 
 Sources are pluggable: anything in ``SOURCES`` maps ``(n_batches, delay_s)`` to an
 iterable. ``sleep`` models I/O-bound loading (it releases the GIL, like a download
-or a torch op); ``spin`` is a pure-Python busy loop, which holds the GIL and so
-shows the limit of any thread-based overlap. Run::
+or a torch op); ``spin`` is a pure-Python busy loop, which holds the GIL: it still
+overlaps with a step that releases the GIL (GPU work, most torch ops, the sleeping
+step used here), but not with a pure-Python step. Run::
 
     python benchmarks/fetcher_overlap.py [--source sleep] [--n 50] [--reps 3]
 """
