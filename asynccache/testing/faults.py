@@ -119,15 +119,19 @@ class ServerThread:
 
     async def _serve(self, ready: threading.Event) -> None:
         app = await self._make_app()
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=1.0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        ready.set()
-        await self._stop.wait()
-        await self._runner.cleanup()
+        try:
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            host, port = self._runner.addresses[0][:2]
+            self.url = f"http://{host}:{port}"
+            ready.set()
+            await self._stop.wait()
+        finally:
+            await self._runner.cleanup()
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         self._loop.call_soon_threadsafe(fn)
