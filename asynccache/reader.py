@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ChecksumMismatchError, TruncatedChunkError
+from .errors import ChecksumMismatchError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
 
 Resolve = Callable[[int, ChunkEntry], str]
@@ -35,7 +35,11 @@ def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, Chunk
         TruncatedChunkError, ChecksumMismatchError, BadMagicError, UnsupportedVersionError:
             naming the file.
     """
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; the mapping outlives it
+    except FileNotFoundError as exc:
+        raise ObjectNotFoundError(f"{path}: chunk named in the index is missing", url=path) from exc
+    with f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:
             raise TruncatedChunkError(

@@ -108,7 +108,8 @@ class _Encoder:
             if self.allow_pickle:
                 return ["k", self.buf(pickle.dumps(arr, protocol=pickle.HIGHEST_PROTOCOL))]
             raise SerializationError(f"cannot store a numpy array of dtype {arr.dtype}")
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:  # (ascontiguousarray would turn 0-d into 1-d)
+            arr = arr.copy(order="C")
         return ["a", arr.dtype.str, list(arr.shape), self.buf(arr.reshape(-1).view(np.uint8))]
 
     def tensor(self, t: Any, torch: Any) -> list[Any]:
@@ -129,7 +130,7 @@ class _Encoder:
         return ["p", img.mode, list(img.size), codec, self.buf(out.getbuffer())]
 
 
-_PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16"})
+_PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"})
 
 
 def encode(item: Any, *, allow_pickle: bool = False) -> list[memoryview | bytes]:
@@ -272,16 +273,17 @@ class _Decoder:
         off, count = self._span(idx, dt.itemsize, shape)
         if count == 0:
             return torch.empty(shape, dtype=dt)
+        if self.view.readonly:  # torch tensors must be writable: copy from read-only memory
+            raw = bytearray(self.view[off : off + count * dt.itemsize])
+            return torch.frombuffer(raw, dtype=dt).reshape(shape)
         return torch.frombuffer(self.buf, dtype=dt, count=count, offset=off).reshape(shape)
 
     def image(self, mode: str, size: list[int], codec: str, idx: int) -> Any:
         from PIL import Image
 
         off, n = self.spans[idx]
-        img = Image.open(io.BytesIO(bytes(self.view[off : off + n])), formats=[codec])
-        img.load()
-        if img.mode != mode or list(img.size) != list(size):
-            img = img.convert(mode) if list(img.size) == list(size) else img
+        with Image.open(io.BytesIO(bytes(self.view[off : off + n])), formats=[codec]) as f:
+            img = f.copy()  # a plain Image, like the one written, not a PngImageFile
         if img.mode != mode or list(img.size) != list(size):
             raise DataError(f"{self.where}: image decodes as {img.mode} {img.size}, "
                             f"expected {mode} {tuple(size)}")

@@ -1,0 +1,159 @@
+"""Bad files raise specific errors naming the file, never a crash or a wrong item."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from asynccache.errors import (
+    AsyncCacheError,
+    BadIndexError,
+    BadMagicError,
+    ChecksumMismatchError,
+    ObjectNotFoundError,
+    TruncatedChunkError,
+    UnsafePathError,
+    UnsupportedVersionError,
+)
+from asynccache.format import Index, checksum
+from asynccache.torch.cache import Cache
+
+
+@pytest.fixture
+def written(tmp_path):
+    cache = Cache(tmp_path, chunk_size=4)
+    for i in range(10):
+        cache[i] = {"x": np.full(8, i, dtype=np.int32), "i": i}
+    cache.done()
+    return tmp_path
+
+
+def rewrite_chunk(directory, mutate, *, fix_index=True):
+    """Apply ``mutate`` to chunk-0-0.bin; optionally make the index agree (size, checksum)."""
+    path = os.path.join(directory, "chunk-0-0.bin")
+    data = bytearray(open(path, "rb").read())
+    data = mutate(data)
+    open(path, "wb").write(data)
+    if fix_index:
+        idx_path = os.path.join(directory, "index.json")
+        doc = json.load(open(idx_path))
+        doc["chunks"][0]["bytes"] = len(data)
+        doc["chunks"][0]["checksum"] = checksum(bytes(data))
+        doc["total_bytes"] = sum(c["bytes"] for c in doc["chunks"])
+        json.dump(doc, open(idx_path, "w"))
+    return path
+
+
+def read_first(directory):
+    return Cache(directory)[0]
+
+
+def test_written_reads_back(written):
+    assert Cache(written)[5]["i"] == 5
+
+
+def test_bad_magic(written):
+    def mutate(d):
+        d[:8] = b"NOTACHNK"
+        return d
+
+    path = rewrite_chunk(written, mutate)
+    with pytest.raises(BadMagicError, match="chunk-0-0.bin"):
+        read_first(written)
+    assert path
+
+
+def test_unknown_version(written):
+    def mutate(d):
+        d[8:12] = struct.pack("<I", 99)
+        return d
+
+    rewrite_chunk(written, mutate)
+    with pytest.raises(UnsupportedVersionError, match=r"chunk-0-0.bin.*version 99"):
+        read_first(written)
+
+
+def test_truncated_chunk_detected_against_index(written):
+    rewrite_chunk(written, lambda d: d[: len(d) // 2], fix_index=False)
+    with pytest.raises(TruncatedChunkError, match="chunk-0-0.bin"):
+        read_first(written)
+
+
+def test_truncated_chunk_detected_by_its_own_header(written):
+    rewrite_chunk(written, lambda d: d[: len(d) - 64])  # index agrees: header still disagrees
+    with pytest.raises(TruncatedChunkError, match="chunk-0-0.bin"):
+        read_first(written)
+
+
+def test_checksum_mismatch(written):
+    def mutate(d):
+        d[-20] ^= 0xFF
+        return d
+
+    rewrite_chunk(written, mutate, fix_index=False)
+    with pytest.raises(ChecksumMismatchError, match="chunk-0-0.bin"):
+        read_first(written)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", "[]", '{"format": "asynccache-index", "version": 7, "chunks": []}',
+     '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin"}]}',
+     '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin", '
+     '"items": -1, "bytes": 1, "checksum": "xxh3_64:00"}]}'],
+)
+def test_malformed_index(tmp_path, text):
+    (tmp_path / "index.json").write_text(text)
+    with pytest.raises(BadIndexError, match="index.json"):
+        read_first(tmp_path)
+
+
+def test_index_totals_must_agree(written):
+    doc = json.load(open(written / "index.json"))
+    doc["total_items"] += 1
+    json.dump(doc, open(written / "index.json", "w"))
+    with pytest.raises(BadIndexError, match="total_items"):
+        read_first(written)
+
+
+def test_index_keys_must_cover_every_item(written):
+    doc = json.load(open(written / "index.json"))
+    doc["chunks"][1]["keys"] = [[100, doc["chunks"][1]["items"]]]
+    json.dump(doc, open(written / "index.json", "w"))
+    with pytest.raises(BadIndexError, match="keys"):
+        read_first(written)
+
+
+@pytest.mark.parametrize("name", ["../x.bin", "/etc/passwd", "a/../../x", "sub/x.bin", "..",
+                                  "C:\\x", "a\\..\\x"])
+def test_index_path_outside_directory(written, name):
+    doc = json.load(open(written / "index.json"))
+    doc["chunks"][0]["filename"] = name
+    json.dump(doc, open(written / "index.json", "w"))
+    with pytest.raises(UnsafePathError, match="outside"):
+        read_first(written)
+
+
+def test_missing_chunk_names_the_file(written):
+    os.unlink(written / "chunk-0-1.bin")
+    cache = Cache(written)
+    assert cache[0]["i"] == 0
+    with pytest.raises(ObjectNotFoundError, match="chunk-0-1.bin"):
+        cache[5]
+
+
+def test_every_error_is_an_asynccache_error():
+    for cls in (BadMagicError, UnsupportedVersionError, TruncatedChunkError,
+                ChecksumMismatchError, BadIndexError, UnsafePathError):
+        assert issubclass(cls, AsyncCacheError) and issubclass(cls, ValueError)
+
+
+def test_index_round_trips(written):
+    text = (written / "index.json").read_text()
+    idx = Index.from_json(text, "index.json")
+    assert Index.from_json(idx.to_json(), "x").chunks == idx.chunks
+    assert idx.total_items == 10 and idx.locate(9) == (2, 1)
