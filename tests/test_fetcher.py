@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -13,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asynccache.torch.fetcher as fetcher_module
 from asynccache.errors import ConfigError, ResumeStateError
@@ -120,6 +123,22 @@ def test_done_is_known_one_ahead(prefetch: int, n: int, sized: bool) -> None:
             len(fetcher)
 
 
+@pytest.mark.timeout(60)
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 12), prefetch=st.integers(0, 5), stop=st.integers(0, 12))
+def test_any_stop_point_resumes_with_the_rest(n: int, prefetch: int, stop: int) -> None:
+    stop = min(stop, n)
+    source = CountingSource(n)
+    with Fetcher(source, prefetch_batches=prefetch) as fetcher:
+        it = iter(fetcher)
+        before = [next(it) for _ in range(stop)]
+        assert fetcher.done == (stop == n and n > 0)
+        state = fetcher.state_dict()
+    fetcher = Fetcher(CountingSource(n), prefetch_batches=prefetch)
+    fetcher.load_state_dict(state)
+    assert before + list(fetcher) == list(range(n))
+
+
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("prefetch", PREFETCH)
 def test_each_iter_starts_a_fresh_epoch(prefetch: int) -> None:
@@ -166,6 +185,19 @@ def test_source_error_reaches_consumer_with_its_traceback(prefetch: int) -> None
 
 
 @pytest.mark.timeout(20)
+def test_a_failing_device_copy_reaches_the_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    class BrokenOps(FakeOps):
+        def copy(self, tensor: torch.Tensor, **flags: bool) -> torch.Tensor:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(
+        fetcher_module, "make_transfer", lambda d, **kw: DeviceTransfer(d, ops=BrokenOps())
+    )
+    with pytest.raises(RuntimeError, match="copy failed"):
+        list(Fetcher([torch.ones(1)], prefetch_batches=2, device="cuda:0"))
+
+
+@pytest.mark.timeout(20)
 def test_producer_thread_is_named_daemon() -> None:
     with Fetcher(endless(0.001), prefetch_batches=2) as fetcher:
         next(iter(fetcher))
@@ -196,6 +228,42 @@ def test_context_manager_stops_the_thread() -> None:
                 break
         assert fetcher_threads()
     assert not fetcher_threads()
+
+
+@pytest.mark.timeout(20)
+def test_close_gives_up_on_a_stuck_source_after_its_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release, entered = threading.Event(), threading.Event()
+
+    def stuck() -> Iterator[int]:
+        yield 0
+        entered.set()
+        release.wait(10)  # bounded, so the test cannot hang
+        yield 1
+
+    fetcher = Fetcher(stuck(), prefetch_batches=2, close_timeout_s=0.1)
+    it = iter(fetcher)
+    assert entered.wait(5)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="asynccache.fetcher"):
+        fetcher.close()
+    assert time.monotonic() - start < 2.0
+    assert "still inside the source" in caplog.text
+    release.set()  # the source returns; the thread sees the stop flag and exits
+    assert wait_until(lambda: not fetcher_threads())
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.timeout(20)
+def test_a_dropped_fetcher_stops_its_thread() -> None:
+    fetcher = Fetcher(endless(0.0), prefetch_batches=2)
+    next(iter(fetcher))
+    assert fetcher_threads()
+    del fetcher
+    gc.collect()
+    assert wait_until(lambda: not fetcher_threads())
 
 
 @pytest.mark.timeout(20)
