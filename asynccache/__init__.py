@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
+from .errors import (
     AsyncCacheError,
     AuthError,
     BadIndexError,
@@ -23,8 +23,8 @@ from .errors import (  # noqa: E402
     UnsafePathError,
     UnsupportedVersionError,
 )
-from .torch.cache import Cache, CacheNotFilledError  # noqa: E402
-from .torch.dataloader import CacheDataLoader  # noqa: E402
+from .torch.cache import Cache, CacheNotFilledError
+from .torch.dataloader import CacheDataLoader
 
 __all__ = [
     "AsyncCacheError",

@@ -20,9 +20,22 @@ PREFIX = "ASYNCCACHE_"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-                  "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-                  "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+_SIZE_SUFFIXES = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 def default_cache_dir() -> str:
@@ -64,8 +77,9 @@ class Settings:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
         if self.log_level.upper() not in _LOG_LEVELS:
-            raise ConfigError(f"{_var('log_level')} must be one of {_LOG_LEVELS}, "
-                              f"got {self.log_level!r}")
+            raise ConfigError(
+                f"{_var('log_level')} must be one of {_LOG_LEVELS}, got {self.log_level!r}"
+            )
         object.__setattr__(self, "log_level", self.log_level.upper())
 
     @classmethod
@@ -85,10 +99,13 @@ class Settings:
         for key, raw in env.items():
             if not key.startswith(PREFIX):
                 continue
-            name = key[len(PREFIX):].lower()
+            name = key[len(PREFIX) :].lower()
             if name not in fields:
-                warnings.warn(f"unknown setting {key} is ignored (known: "
-                              f"{', '.join(sorted(_var(n) for n in fields))})", stacklevel=2)
+                warnings.warn(
+                    f"unknown setting {key} is ignored (known: "
+                    f"{', '.join(sorted(_var(n) for n in fields))})",
+                    stacklevel=2,
+                )
                 continue
             values[name] = _parse(name, fields[name].type, raw)
         for name, value in overrides.items():
@@ -113,7 +130,7 @@ def parse_size(text: str) -> int:
     """``"64MiB"`` -> 67108864. Raises ValueError on anything else."""
     s = text.strip().lower().replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    suffix = s[len(num):].strip()
+    suffix = s[len(num) :].strip()
     if suffix not in _SIZE_SUFFIXES or not num:
         raise ValueError(text)
     return int(float(num) * _SIZE_SUFFIXES[suffix])

@@ -94,8 +94,9 @@ class Reader:
         """Item ``pos`` of chunk number ``chunk``."""
         m = self._chunk(chunk)
         start, end = m.view.span(pos)
-        return decode(m.mm, start, end, where=f"{m.path} item {pos}",
-                      allow_pickle=self._allow_pickle)
+        return decode(
+            m.mm, start, end, where=f"{m.path} item {pos}", allow_pickle=self._allow_pickle
+        )
 
     def _chunk(self, ci: int) -> _Mapped:
         with self._lock:

@@ -66,8 +66,11 @@ class ChunkWriter:
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"chunk_bytes": self.chunk_bytes, "chunk_size": self.chunk_size,
-                "writer": f"asynccache {__version__}"}
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "chunk_size": self.chunk_size,
+            "writer": f"asynccache {__version__}",
+        }
 
     def add(self, key: int, item: Any) -> None:
         """Store ``item`` under ``key`` (a non-negative int)."""

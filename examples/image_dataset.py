@@ -61,8 +61,11 @@ def run(rank, world_size, port, cache_dir):
         counts = torch.tensor([len(seen), len(set(seen))])
         dist.all_reduce(counts)
         sums.append(round(total, 3))
-        print(f"rank {rank} epoch {epoch}: {len(seen)} items, {len(dataloader)} batches, "
-              f"all ranks: {int(counts[0])} items ({'cache' if epoch else 'writing'})", flush=True)
+        print(
+            f"rank {rank} epoch {epoch}: {len(seen)} items, {len(dataloader)} batches, "
+            f"all ranks: {int(counts[0])} items ({'cache' if epoch else 'writing'})",
+            flush=True,
+        )
     assert sums[0] == sums[1], f"rank {rank}: epoch 2 from the cache differs from epoch 1"
     dist.destroy_process_group()
 

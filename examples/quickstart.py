@@ -22,6 +22,6 @@ class RandomDataset(Dataset):  # as in Lightning's boring classes
 if __name__ == "__main__":
     dataset = RandomDataset(64, 64)
     dataloader = CacheDataLoader(dataset, cache_dir="./cache", chunk_bytes=2 << 12)
-    for batch in dataloader:
+    for batch in dataloader:  # noqa: B007 - the exact beginner snippet
         pass
     print(sorted(os.listdir("./cache")))

@@ -71,8 +71,9 @@ def check_filename(name: Any, where: str) -> str:
         or name in (".", "..")
         or ":" in name
     ):
-        raise UnsafePathError(f"{where}: chunk filename {name!r} points outside the dataset "
-                              "directory")
+        raise UnsafePathError(
+            f"{where}: chunk filename {name!r} points outside the dataset directory"
+        )
     return name
 
 
@@ -85,8 +86,13 @@ class ChunkEntry:
     keys: tuple[tuple[int, int], ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"filename": self.filename, "items": self.items, "bytes": self.bytes,
-                "checksum": self.checksum, "keys": [list(r) for r in self.keys]}
+        return {
+            "filename": self.filename,
+            "items": self.items,
+            "bytes": self.bytes,
+            "checksum": self.checksum,
+            "keys": [list(r) for r in self.keys],
+        }
 
 
 def runs(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -119,9 +125,11 @@ class Index:
 
     def to_json(self) -> str:
         doc: dict[str, Any] = {
-            "format": FORMAT, "version": VERSION,
+            "format": FORMAT,
+            "version": VERSION,
             "chunks": [c.to_json() for c in self.chunks],
-            "total_items": self.total_items, "total_bytes": self.total_bytes,
+            "total_items": self.total_items,
+            "total_bytes": self.total_bytes,
             "config": dict(self.config),
         }
         if self.writer is not None:
@@ -144,8 +152,10 @@ class Index:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise BadIndexError(f"{where}: not an asynccache index (missing format marker)")
         if doc.get("version") != VERSION:
-            raise BadIndexError(f"{where}: index version {doc.get('version')!r} is not "
-                                f"supported (this release reads version {VERSION})")
+            raise BadIndexError(
+                f"{where}: index version {doc.get('version')!r} is not "
+                f"supported (this release reads version {VERSION})"
+            )
         try:
             chunks: Any = []
             first = 0
@@ -160,8 +170,9 @@ class Index:
             raise BadIndexError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from exc
         for name in ("total_items", "total_bytes"):
             if name in doc and doc[name] != getattr(idx, name):
-                raise BadIndexError(f"{where}: {name} is {doc[name]} but the chunks add up to "
-                                    f"{getattr(idx, name)}")
+                raise BadIndexError(
+                    f"{where}: {name} is {doc[name]} but the chunks add up to {getattr(idx, name)}"
+                )
         if len({c.filename for c in chunks}) != len(chunks):
             raise BadIndexError(f"{where}: a chunk filename appears twice")
         if idx.writer is None:
@@ -188,8 +199,10 @@ class Index:
         expect = 0
         for first, (count, _ci, _pos) in zip(starts, rest, strict=True):
             if first != expect or count <= 0:
-                raise BadIndexError(f"{where}: item keys are not exactly 0..{self.total_items - 1}"
-                                    f" (problem near key {min(first, expect)})")
+                raise BadIndexError(
+                    f"{where}: item keys are not exactly 0..{self.total_items - 1}"
+                    f" (problem near key {min(first, expect)})"
+                )
             expect += count
         for c in self.chunks:
             if sum(n for _, n in c.keys) != c.items:
@@ -201,7 +214,7 @@ class Index:
             raise IndexError(f"index {key} is out of range for {self.total_items} items")
         starts, rest = self._table()
         r = bisect.bisect_right(starts, key) - 1
-        count, ci, pos = rest[r]
+        _count, ci, pos = rest[r]
         return ci, pos + (key - starts[r])
 
 
@@ -223,8 +236,8 @@ def merge(parts: Iterable[Index], config: Mapping[str, Any] | None = None) -> In
         BadIndexError: the writers' keys overlap or leave gaps.
     """
     chunks = sorted(
-        (c for p in parts for c in p.chunks), key=lambda c: (min((k for k, _ in c.keys),
-                                                                 default=-1), c.filename)
+        (c for p in parts for c in p.chunks),
+        key=lambda c: (min((k for k, _ in c.keys), default=-1), c.filename),
     )
     merged = Index(tuple(chunks), dict(config or {}))
     merged._check_keys("merged index")

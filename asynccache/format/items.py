@@ -188,7 +188,9 @@ def decode(buf: Any, start: int, end: int, *, where: str, allow_pickle: bool = F
         raise DataError(f"{where}: item header length {hlen} exceeds the item")
     try:
         tree, offsets = msgpack.unpackb(
-            view[start + _U32.size : start + _U32.size + hlen], raw=False, use_list=True,
+            view[start + _U32.size : start + _U32.size + hlen],
+            raw=False,
+            use_list=True,
             strict_map_key=False,
         )
         spans = []
@@ -211,7 +213,11 @@ def decode(buf: Any, start: int, end: int, *, where: str, allow_pickle: bool = F
 
 class _Decoder:
     def __init__(
-        self, buf: Any, view: memoryview, spans: list[tuple[int, int]], where: str,
+        self,
+        buf: Any,
+        view: memoryview,
+        spans: list[tuple[int, int]],
+        where: str,
         allow_pickle: bool,
     ) -> None:
         self.buf, self.view, self.spans, self.where = buf, view, spans, where
@@ -246,8 +252,10 @@ class _Decoder:
             return {self.node(k): self.node(v) for k, v in zip(n[1], n[2], strict=True)}
         if tag == "k":
             if not self.allow_pickle:
-                raise DataError(f"{self.where}: item holds a pickled leaf; pass allow_pickle=True "
-                                "to read it (only for data you trust)")
+                raise DataError(
+                    f"{self.where}: item holds a pickled leaf; pass allow_pickle=True "
+                    "to read it (only for data you trust)"
+                )
             off, size = self.spans[n[1]]
             return pickle.loads(self.view[off : off + size])
         raise DataError(f"{self.where}: unknown leaf tag {tag!r}")
@@ -285,6 +293,8 @@ class _Decoder:
         with Image.open(io.BytesIO(bytes(self.view[off : off + n])), formats=[codec]) as f:
             img = f.copy()  # a plain Image, like the one written, not a PngImageFile
         if img.mode != mode or list(img.size) != list(size):
-            raise DataError(f"{self.where}: image decodes as {img.mode} {img.size}, "
-                            f"expected {mode} {tuple(size)}")
+            raise DataError(
+                f"{self.where}: image decodes as {img.mode} {img.size}, "
+                f"expected {mode} {tuple(size)}"
+            )
         return img

@@ -101,10 +101,14 @@ def test_checksum_mismatch(written):
 
 @pytest.mark.parametrize(
     "text",
-    ["{not json", "[]", '{"format": "asynccache-index", "version": 7, "chunks": []}',
-     '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin"}]}',
-     '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin", '
-     '"items": -1, "bytes": 1, "checksum": "xxh3_64:00"}]}'],
+    [
+        "{not json",
+        "[]",
+        '{"format": "asynccache-index", "version": 7, "chunks": []}',
+        '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin"}]}',
+        '{"format": "asynccache-index", "version": 1, "chunks": [{"filename": "a.bin", '
+        '"items": -1, "bytes": 1, "checksum": "xxh3_64:00"}]}',
+    ],
 )
 def test_malformed_index(tmp_path, text):
     (tmp_path / "index.json").write_text(text)
@@ -128,8 +132,9 @@ def test_index_keys_must_cover_every_item(written):
         read_first(written)
 
 
-@pytest.mark.parametrize("name", ["../x.bin", "/etc/passwd", "a/../../x", "sub/x.bin", "..",
-                                  "C:\\x", "a\\..\\x"])
+@pytest.mark.parametrize(
+    "name", ["../x.bin", "/etc/passwd", "a/../../x", "sub/x.bin", "..", "C:\\x", "a\\..\\x"]
+)
 def test_index_path_outside_directory(written, name):
     doc = json.load(open(written / "index.json"))
     doc["chunks"][0]["filename"] = name
@@ -147,8 +152,14 @@ def test_missing_chunk_names_the_file(written):
 
 
 def test_every_error_is_an_asynccache_error():
-    for cls in (BadMagicError, UnsupportedVersionError, TruncatedChunkError,
-                ChecksumMismatchError, BadIndexError, UnsafePathError):
+    for cls in (
+        BadMagicError,
+        UnsupportedVersionError,
+        TruncatedChunkError,
+        ChecksumMismatchError,
+        BadIndexError,
+        UnsafePathError,
+    ):
         assert issubclass(cls, AsyncCacheError) and issubclass(cls, ValueError)
 
 

@@ -18,13 +18,39 @@ from asynccache.format import ChunkView, build, decode, encode
 from tests.helpers import assert_same
 
 TORCH_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
     torch.float8_e5m2,
 ]
-NP_DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "<u8", "|b1", "<c8",
-             "<M8[s]", "<U7"]
+NP_DTYPES = [
+    "<f4",
+    "<f8",
+    "<f2",
+    "|u1",
+    "|i1",
+    "<i2",
+    "<i4",
+    "<i8",
+    "<u8",
+    "|b1",
+    "<c8",
+    "<M8[s]",
+    "<U7",
+]
 
 
 def roundtrip(item, **kw):
@@ -36,8 +62,9 @@ def roundtrip(item, **kw):
 
 def tensors():
     return st.builds(
-        lambda dt, shape, seed: (torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-                                 * 100).to(dt),
+        lambda dt, shape, seed: (
+            torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 100
+        ).to(dt),
         st.sampled_from(TORCH_DTYPES),
         st.lists(st.integers(0, 4), max_size=3),
         st.integers(0, 2**31),
@@ -54,8 +81,14 @@ def arrays():
 
 
 leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
-    st.binary(max_size=50), tensors(), arrays(),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=50),
+    tensors(),
+    arrays(),
     st.sampled_from([np.float32(1.5), np.int64(-3), np.bool_(True), np.uint16(7)]),
 )
 pytrees = st.recursive(

@@ -30,8 +30,12 @@ class DictDataset(Dataset):
         return self.length
 
     def __getitem__(self, i: int) -> dict:
-        return {"i": i, "x": np.full((3,), i, dtype=np.float32), "name": f"item-{i}",
-                "t": torch.tensor([i, -i], dtype=torch.int64)}
+        return {
+            "i": i,
+            "x": np.full((3,), i, dtype=np.float32),
+            "name": f"item-{i}",
+            "t": torch.tensor([i, -i], dtype=torch.int64),
+        }
 
 
 class ExplodingDataset(Dataset):

@@ -36,13 +36,15 @@ def test_beginner_snippet(tmp_path, monkeypatch):
     assert torch.equal(torch.cat(batches), dataset.data)
 
 
-@pytest.mark.parametrize(("num_workers", "context"), [(0, None), (1, "fork"), (2, "fork"),
-                                                      (2, "spawn")])
+@pytest.mark.parametrize(
+    ("num_workers", "context"), [(0, None), (1, "fork"), (2, "fork"), (2, "spawn")]
+)
 def test_write_then_read_equals_source_item_for_item(tmp_path, num_workers, context):
     ds = DictDataset(37)
     kw = {"multiprocessing_context": context} if context else {}
-    dl = CacheDataLoader(ds, cache_dir=tmp_path, chunk_size=5, batch_size=4,
-                         num_workers=num_workers, **kw)
+    dl = CacheDataLoader(
+        ds, cache_dir=tmp_path, chunk_size=5, batch_size=4, num_workers=num_workers, **kw
+    )
     expected = list(DataLoader(ds, batch_size=4))
     first = list(dl)
     assert (tmp_path / "index.json").exists()
@@ -51,8 +53,11 @@ def test_write_then_read_equals_source_item_for_item(tmp_path, num_workers, cont
     for a, b, c in zip(expected, first, second, strict=True):
         assert_same(a, b)
         assert_same(a, c)
-    writers = {f.split(".")[0] for f in os.listdir(tmp_path) if f.endswith(".index.json")
-               and f != "index.json"}
+    writers = {
+        f.split(".")[0]
+        for f in os.listdir(tmp_path)
+        if f.endswith(".index.json") and f != "index.json"
+    }
     assert writers == {str(w) for w in range(max(1, num_workers))}
     cache = Cache(tmp_path)
     for i in range(len(ds)):
@@ -61,8 +66,7 @@ def test_write_then_read_equals_source_item_for_item(tmp_path, num_workers, cont
 
 def test_a_later_process_reads_the_cache_without_the_dataset(tmp_path):
     list(CacheDataLoader(DictDataset(20), cache_dir=tmp_path, chunk_size=3, batch_size=5))
-    again = CacheDataLoader(ExplodingDataset(20), cache_dir=tmp_path, batch_size=5,
-                            num_workers=2)
+    again = CacheDataLoader(ExplodingDataset(20), cache_dir=tmp_path, batch_size=5, num_workers=2)
     out = [b["i"] for b in again]
     assert torch.equal(torch.cat(out), torch.arange(20))
     from_path = CacheDataLoader(str(tmp_path), batch_size=20)
@@ -77,8 +81,9 @@ def test_a_different_dataset_is_refused(tmp_path):
 
 def test_shuffle_is_seeded_per_epoch_and_identical_when_writing(tmp_path):
     def orders(path, seed):
-        dl = CacheDataLoader(DictDataset(40), cache_dir=path, shuffle=True, seed=seed,
-                             batch_size=8, num_workers=2)
+        dl = CacheDataLoader(
+            DictDataset(40), cache_dir=path, shuffle=True, seed=seed, batch_size=8, num_workers=2
+        )
         return [torch.cat([b["i"] for b in dl]).tolist() for _ in range(3)]
 
     a = orders(tmp_path / "a", 1)  # epoch 0 writes, 1-2 read
@@ -88,23 +93,26 @@ def test_shuffle_is_seeded_per_epoch_and_identical_when_writing(tmp_path):
     assert a[0] != a[1] != a[2], "epochs differ"
     assert a[0] != c[0], "seeds differ"
     assert all(sorted(o) == list(range(40)) for o in a)
-    dl = CacheDataLoader(DictDataset(40), cache_dir=tmp_path / "a", shuffle=True, seed=1,
-                         batch_size=8)
+    dl = CacheDataLoader(
+        DictDataset(40), cache_dir=tmp_path / "a", shuffle=True, seed=1, batch_size=8
+    )
     dl.set_epoch(0)
     assert torch.cat([x["i"] for x in dl]).tolist() == a[0], "a filled cache replays epoch 0"
 
 
 def test_drop_last_still_writes_every_item(tmp_path):
-    dl = CacheDataLoader(DictDataset(10), cache_dir=tmp_path, batch_size=4, drop_last=True,
-                         num_workers=2)
+    dl = CacheDataLoader(
+        DictDataset(10), cache_dir=tmp_path, batch_size=4, drop_last=True, num_workers=2
+    )
     assert [len(b["i"]) for b in dl] == [4, 4]
     assert len(Cache(tmp_path)) == 10
     assert Cache(tmp_path)[9]["i"] == 9
 
 
 def test_abandoned_first_epoch_is_redone_cleanly(tmp_path):
-    dl = CacheDataLoader(DictDataset(30), cache_dir=tmp_path, chunk_size=2, batch_size=3,
-                         num_workers=2)
+    dl = CacheDataLoader(
+        DictDataset(30), cache_dir=tmp_path, chunk_size=2, batch_size=3, num_workers=2
+    )
     it = iter(dl)
     next(it)
     next(it)
@@ -117,15 +125,13 @@ def test_abandoned_first_epoch_is_redone_cleanly(tmp_path):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dataset_that_fills_its_own_cache(tmp_path, num_workers):
-    dl = CacheDataLoader(SelfCachingDataset(str(tmp_path)), num_workers=num_workers,
-                         batch_size=4)
+    dl = CacheDataLoader(SelfCachingDataset(str(tmp_path)), num_workers=num_workers, batch_size=4)
     first = torch.cat(list(dl)).tolist()
     assert (tmp_path / "index.json").exists()
     # A fresh process's view: the dataset now reads only from its cache.
     fresh = SelfCachingDataset(str(tmp_path))
     assert not hasattr(fresh, "data")
-    second = torch.cat(list(CacheDataLoader(fresh, num_workers=num_workers,
-                                            batch_size=4))).tolist()
+    second = torch.cat(list(CacheDataLoader(fresh, num_workers=num_workers, batch_size=4))).tolist()
     assert first == second == list(range(30))
 
 
@@ -151,13 +157,20 @@ def test_missing_cache_dir_is_a_config_error():
 @pytest.mark.timeout(240)
 def test_advanced_example_with_two_spawned_processes(tmp_path):
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "image_dataset.py"), "--cache-dir",
-         str(tmp_path / "c")], capture_output=True, text=True, timeout=200, cwd=tmp_path,
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "image_dataset.py"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if "all ranks: 100 items" in ln]
     assert len(lines) == 4, out.stdout
     files = set(os.listdir(tmp_path / "c"))
-    assert {"0.index.json", "1.index.json", "2.index.json", "3.index.json",
-            "index.json"} <= files
+    assert {"0.index.json", "1.index.json", "2.index.json", "3.index.json", "index.json"} <= files
     assert len(Cache(tmp_path / "c")) == 100
