@@ -276,7 +276,11 @@ def test_back_pressure_bounds_the_run_ahead(prefetch: int) -> None:
             for _ in range(consumed):
                 next(it)
             limit = fetcher.fetched + prefetch + 1  # queued + the one being produced
-            assert wait_until(lambda limit=limit: source.produced == limit)
+
+            def reached(limit: int = limit) -> bool:
+                return source.produced == limit
+
+            assert wait_until(reached)
             time.sleep(0.1)
             assert source.produced == limit
 
@@ -294,7 +298,12 @@ def test_state_is_never_ahead_of_the_consumer(prefetch: int) -> None:
         assert fetcher.state_dict() == {"produced": 0}
         for k in range(1, 8):
             assert next(it) == k - 1
-            wait_until(lambda k=k: source.produced >= k + prefetch)  # let the thread run ahead
+            ahead = k + prefetch
+
+            def ran_ahead(ahead: int = ahead) -> bool:
+                return source.produced >= ahead
+
+            wait_until(ran_ahead)  # let the thread run ahead
             assert fetcher.state_dict() == {"produced": k}
         assert source.produced > 7 or prefetch == 0
 
@@ -440,7 +449,7 @@ Pair = namedtuple("Pair", ["image", "label"])
 
 
 def test_map_tensors_keeps_the_structure() -> None:
-    tree = {
+    tree: dict[str, Any] = {
         "pair": Pair(torch.ones(1), 3),
         "list": [torch.zeros(2), "text", (torch.ones(3),)],
         "ordered": OrderedDict(a=torch.ones(1)),
