@@ -13,6 +13,7 @@ Keys are ``/``-separated paths relative to the backend's root URL (``index.json`
 from __future__ import annotations
 
 import abc
+import builtins
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -102,7 +103,7 @@ class Storage(abc.ABC):
     def _iter_range_impl(self, key: str, start: int, end: int | None) -> AsyncIterator[bytes]: ...
 
     @abc.abstractmethod
-    async def _list_impl(self, prefix: str) -> list[ObjectInfo]: ...
+    async def _list_impl(self, prefix: str) -> builtins.list[ObjectInfo]: ...
 
     @abc.abstractmethod
     async def _upload_impl(self, src: str, key: str) -> int: ...

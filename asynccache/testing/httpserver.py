@@ -16,6 +16,7 @@ import dataclasses
 import os
 import ssl
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -24,6 +25,8 @@ from aiohttp import web
 from .objstore import free_port
 
 __all__ = ["RecordedRequest", "StaticHTTPServer"]
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,7 @@ class StaticHTTPServer:
 
     async def _serve(self) -> None:
         @web.middleware
-        async def record(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
+        async def record(request: web.Request, handler: _Handler) -> web.StreamResponse:
             self.requests.append(
                 RecordedRequest(request.method, request.path, request.headers.get("Range"))
             )
