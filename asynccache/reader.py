@@ -19,6 +19,7 @@ from .errors import ChecksumMismatchError, ObjectNotFoundError, TruncatedChunkEr
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
 
 Resolve = Callable[[int, ChunkEntry], str]
+Release = Callable[[int], None]
 
 
 class _Mapped:
@@ -61,8 +62,9 @@ def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, Chunk
 class Reader:
     """Random access to the items of one dataset.
 
-    Thread-safe. Keeps up to ``max_open`` chunks mapped; an item handed out keeps its own
-    mapping alive for as long as it lives, so closing or evicting here never invalidates it.
+    Thread-safe. Keeps up to ``max_open`` chunks mapped and calls ``release(ci)`` for each
+    ``resolve`` once it drops that mapping; an item handed out keeps its own mapping alive
+    for as long as it lives, so dropping a mapping never invalidates an item.
     """
 
     def __init__(
@@ -73,9 +75,11 @@ class Reader:
         verify: bool = True,
         allow_pickle: bool = False,
         max_open: int = 16,
+        release: Release | None = None,
     ) -> None:
         self.index = index
         self._resolve = resolve
+        self._release = release
         self._verify = verify
         self._allow_pickle = allow_pickle
         self._max_open = max_open
@@ -106,23 +110,44 @@ class Reader:
                 return m
         entry = self.index.chunks[ci]
         path = self._resolve(ci, entry)
-        mm, view = map_chunk(path, entry, verify=self._verify and ci not in self._verified)
+        try:
+            mm, view = map_chunk(path, entry, verify=self._verify and ci not in self._verified)
+        except BaseException:
+            self._released(ci)
+            raise
         m = _Mapped(mm, view, path)
+        dropped = []
         with self._lock:
             self._verified.add(ci)
-            self._open[ci] = m
+            if ci in self._open:  # another thread mapped it meanwhile: keep one
+                dropped.append(ci)
+                m = self._open[ci]
+            else:
+                self._open[ci] = m
             while len(self._open) > self._max_open:
-                self._open.popitem(last=False)
+                dropped.append(self._open.popitem(last=False)[0])
+        for d in dropped:
+            self._released(d)
         return m
+
+    def _released(self, ci: int) -> None:
+        if self._release is not None:
+            self._release(ci)
 
     def release(self, ci: int) -> None:
         """Drop this reader's mapping of chunk ``ci`` (items already returned stay valid)."""
         with self._lock:
-            self._open.pop(ci, None)
+            held = self._open.pop(ci, None)
+        if held is not None:
+            self._released(ci)
 
     def close(self) -> None:
+        """Drop every mapping (items already returned stay valid)."""
         with self._lock:
+            dropped = list(self._open)
             self._open.clear()
+        for ci in dropped:
+            self._released(ci)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import AsyncCacheError, ConfigError
+from ..config import Settings
+from ..errors import AsyncCacheError, ConfigError, ObjectNotFoundError
 from ..format import INDEX_NAME, Index
 from ..reader import Reader
-from ..writer import ChunkWriter, merge_dir, read_index
+from ..source import DatasetSource, is_remote, local_dir
+from ..writer import ChunkWriter, merge_dir
 from . import distributed
 
 
@@ -27,13 +29,20 @@ class Cache:
     Reading: ``cache[i]`` returns exactly what was written at ``i``; numpy and torch
     leaves are zero-copy views of the chunk's memory mapping.
 
+    A remote dataset (``s3://``, ``http(s)://``) is read through the chunk downloader into
+    ``cache_dir``; write datasets locally and publish them with ``asynccache.upload``.
+
     Args:
-        input_dir: the dataset directory.
+        input_dir: the dataset directory, or the URL of a written dataset.
         chunk_size: at most this many items per chunk.
         chunk_bytes: at most this many bytes per chunk (default 64 MiB when neither is set).
         allow_pickle: store (and read back) leaves of other types with pickle. Only for
             data you trust: unpickling can run arbitrary code.
-        verify: check each chunk's checksum when it is first opened in this process.
+        verify: check each chunk's checksum when it is first opened in this process
+            (downloaded chunks are always verified before they are cached).
+        cache_dir: where remote chunks are cached (default ``ASYNCCACHE_CACHE_DIR``).
+        storage_options: endpoint, credentials and TLS options for remote storage.
+        max_cache_bytes: the local cache budget (default ``ASYNCCACHE_MAX_CACHE_BYTES``).
     """
 
     def __init__(
@@ -44,11 +53,17 @@ class Cache:
         *,
         allow_pickle: bool = False,
         verify: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        max_cache_bytes: int | None = None,
     ) -> None:
-        self.input_dir = os.fspath(input_dir)
-        if "://" in self.input_dir and not self.input_dir.startswith("file://"):
-            raise ConfigError(f"{self.input_dir}: only local directories are supported here")
-        self.input_dir = self.input_dir.removeprefix("file://")
+        url = os.fspath(input_dir)
+        self.url = url
+        self.remote = is_remote(url)
+        self.input_dir = url if self.remote else local_dir(url)
+        self.cache_dir = cache_dir
+        self.storage_options = storage_options
+        self.max_cache_bytes = max_cache_bytes
         self.chunk_size = chunk_size
         self.chunk_bytes = chunk_bytes
         self.allow_pickle = allow_pickle
@@ -68,7 +83,15 @@ class Cache:
     @property
     def filled(self) -> bool:
         """True once a complete ``index.json`` exists."""
-        return self._reader is not None or os.path.exists(self.index_path)
+        if self._reader is not None:
+            return True
+        if not self.remote:
+            return os.path.exists(self.index_path)
+        try:
+            self._open()
+        except ObjectNotFoundError:
+            return False
+        return True
 
     @property
     def index(self) -> Index:
@@ -87,22 +110,34 @@ class Cache:
     def _open(self) -> Reader:
         if self._reader is None:
             try:
-                index = read_index(self.index_path)
+                source = DatasetSource(
+                    self.url,
+                    cache_dir=self.cache_dir,
+                    storage_options=self.storage_options,
+                    settings=Settings.from_env(max_cache_bytes=self.max_cache_bytes),
+                )
             except FileNotFoundError:
+                if self.remote:
+                    raise
                 raise CacheNotFilledError(
                     f"{self.input_dir}: no {INDEX_NAME} yet; write the dataset first"
                 ) from None
-            directory = self.input_dir
             self._reader = Reader(
-                index,
-                lambda _ci, entry: os.path.join(directory, entry.filename),
-                verify=self.verify,
+                source.index,
+                source.acquire,
+                release=source.release,
+                verify=self.verify and not source.remote,
                 allow_pickle=self.allow_pickle,
+                max_open=16 if not source.remote else 4,
             )
+            self.source = source
         return self._reader
 
     # -- writing -------------------------------------------------------------------
     def __setitem__(self, key: int, item: Any) -> None:
+        if self.remote:
+            raise ConfigError(f"{self.url}: a remote Cache is read-only; write the dataset to "
+                              "a local directory, then publish it with asynccache.upload()")
         if not self._accept:
             return  # a repeat the loader pads with; its first copy is written elsewhere
         if self._writer is None:
@@ -153,7 +188,6 @@ class Cache:
                 f"{self.input_dir}: a Cache can't be copied to another process "
                 "while it has unflushed writes"
             )
-        state["_reader"] = None
         return state
 
     def __repr__(self) -> str:
