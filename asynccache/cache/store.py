@@ -59,6 +59,7 @@ class ChunkStore:
         self._pins: dict[str, tuple[int, int]] = {}  # name -> (fd, count)
         self._mu = threading.Lock()
         self.evicted = 0
+        self._estimate = 0  # bytes under cache_dir at our last scan, plus our reservations
         try:
             (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -136,6 +137,7 @@ class ChunkStore:
                 return
             del self._pins[name]
         os.close(fd)
+        self._evict_after_unpin()
 
     def pinned(self) -> dict[str, int]:
         """Names pinned by this process, with their pin counts."""
@@ -152,15 +154,34 @@ class ChunkStore:
         return TempFile(self.path(name), size)
 
     # -- eviction ------------------------------------------------------------------------
+    async def reserve(self, name: str, size: int) -> TempFile:
+        """Make room for ``size`` bytes, then create the temporary file that will hold them.
+
+        Both happen under the cache-wide eviction lock, so a concurrent reservation in
+        another process sees this one's (preallocated) bytes and evicts for both.
+        """
+        lock = self.cache_dir / EVICT_LOCK
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
+        try:
+            return await asyncio.to_thread(self._reserve_locked, name, size)
+        finally:
+            os.close(fd)
+
+    def _reserve_locked(self, name: str, size: int) -> TempFile:
+        self._evict_locked(size)
+        tmp = self.create_temp(name, size)
+        self._estimate += size
+        return tmp
+
     async def make_room(self, incoming: int) -> int:
         """Evict least-recently-used unpinned chunks so ``incoming`` more bytes fit.
 
         Returns the number of bytes removed. Runs the directory scan off the loop.
         """
-        if incoming <= 0 and self.max_cache_bytes <= 0:
-            return 0
-        fd = os.open(self.cache_dir / EVICT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(self.cache_dir / EVICT_LOCK))
+        lock = self.cache_dir / EVICT_LOCK
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
         try:
             return await asyncio.to_thread(self._evict_locked, incoming)
         finally:
@@ -179,7 +200,24 @@ class ChunkStore:
             if _remove_if_unlocked(victim.key):
                 removed += victim.size
                 self.evicted += 1
+        self._estimate = used - removed
         return removed
+
+    def _evict_after_unpin(self) -> None:
+        """Pins may have kept the cache over budget: trim it now that one is released.
+
+        Only when this process's last view of the cache was over budget, and only if no
+        other process is evicting at this moment (never blocks).
+        """
+        if self._estimate <= self.max_cache_bytes:
+            return
+        lock = self.cache_dir / EVICT_LOCK
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if try_lock(fd, exclusive=True):
+                self._evict_locked(0)
+        finally:
+            os.close(fd)
 
     def used_bytes(self) -> int:
         """Bytes under ``cache_dir`` now (published, pinned and temporary files)."""

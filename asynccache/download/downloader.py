@@ -182,9 +182,8 @@ class Downloader:
             async with self.store.download_lock(spec.name):
                 if self.store.is_cached(spec.name, size):
                     return str(self.store.path(spec.name))  # another process published it
-                await self.store.make_room(size)
                 for round_ in (1, 2):
-                    tmp = self.store.create_temp(spec.name, size)
+                    tmp = await self.store.reserve(spec.name, size)
                     try:
                         await self._fill(spec.name, size, tmp)
                         await asyncio.to_thread(

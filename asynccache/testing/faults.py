@@ -22,7 +22,7 @@ from aiohttp import web
 
 __all__ = ["Fault", "FaultProxy", "RequestRecord", "ServerThread"]
 
-FaultKind = Literal["status", "reset", "truncate", "stall", "flip"]
+FaultKind = Literal["status", "reset", "truncate", "stall", "slow", "flip"]
 
 _HOP_BY_HOP = {
     "connection",
@@ -46,7 +46,8 @@ class Fault:
             ``retry_after`` this is rate limiting), ``reset`` (abort the connection after
             ``after_bytes`` body bytes), ``truncate`` (close cleanly after ``after_bytes``
             while ``Content-Length`` promises more), ``stall`` (send ``after_bytes`` then
-            nothing for ``stall_s``), ``flip`` (invert the body byte at ``flip_at``).
+            nothing for ``stall_s``, then reset), ``slow`` (pause ``stall_s`` after
+            ``after_bytes``, then finish normally), ``flip`` (invert the byte at ``flip_at``).
         times: how many matching requests it affects.
         path: only requests whose path contains this string match (None: all).
         methods: only these methods match.
@@ -286,9 +287,14 @@ class FaultProxy:
             ):
                 i = fault.flip_at - sent
                 piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1 :]
-            if fault is not None and fault.kind in ("reset", "truncate", "stall"):
+            if fault is not None and fault.kind in ("reset", "truncate", "stall", "slow"):
                 room = fault.after_bytes - sent
-                if room < len(piece):
+                if fault.kind == "slow" and 0 <= room < len(piece):
+                    await resp.write(piece[:room])
+                    await asyncio.sleep(fault.stall_s)
+                    piece, sent = piece[room:], sent + room
+                    fault = None
+                elif room < len(piece):
                     if room > 0:
                         await resp.write(piece[:room])
                         sent += room
