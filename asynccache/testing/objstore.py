@@ -37,6 +37,7 @@ from ..errors import ConfigError
 __all__ = ["ObjectStore", "find_weed", "free_port"]
 
 _REGION = "us-east-1"
+_LAUNCH_ATTEMPTS = 3
 #: Ports handed out by this process, so two stores started back to back never collide.
 _TAKEN: set[int] = set()
 
@@ -52,26 +53,20 @@ def find_weed() -> str:
     return found
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(*, with_grpc_twin: bool = False) -> int:
-    """A free TCP port on 127.0.0.1 (and ``port + 10000`` too when asked)."""
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, not handed out before by this process."""
     for _ in range(200):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port in _TAKEN or (with_grpc_twin and (port > 55535 or not _bindable(port + 10000))):
-            continue
-        _TAKEN.add(port)
-        return port
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
     raise OSError("no free loopback port found")
+
+
+class _PortTaken(Exception):
+    """``weed`` exited because a probed-free port was taken before it bound it."""
 
 
 class ObjectStore:
@@ -153,9 +148,27 @@ class ObjectStore:
         self.stop()
 
     def start(self) -> None:
-        """Start the server and wait (bounded) until its S3 gateway answers."""
+        """Start the server and wait (bounded) until its S3 gateway answers.
+
+        Ports are probed free just before launch; if another process takes one in
+        between, the launch is retried on fresh ports (a bounded number of times).
+        """
         if self._proc is not None:
             return
+        for attempt in range(_LAUNCH_ATTEMPTS):
+            self._launch()
+            try:
+                self._wait_ready()
+                return
+            except _PortTaken:
+                self.stop()
+                if attempt + 1 == _LAUNCH_ATTEMPTS:
+                    raise RuntimeError("weed server could not bind its ports") from None
+            except BaseException:
+                self.stop()
+                raise
+
+    def _launch(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="asynccache-objstore-")
         root = Path(self._tmp.name)
         (root / "data").mkdir()
@@ -221,11 +234,6 @@ class ObjectStore:
                 start_new_session=True,
             )
         atexit.register(self.stop)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
 
     def stop(self, timeout_s: float = 3.0) -> None:
         """Stop the server by PID (terminate, then kill after ``timeout_s``). Idempotent.
@@ -273,6 +281,8 @@ class ObjectStore:
         last: object = None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if "address already in use" in self.log_tail(200):
+                    raise _PortTaken
                 raise RuntimeError(
                     f"weed server exited with {self._proc.returncode}:\n{self.log_tail()}"
                 )
