@@ -13,7 +13,14 @@ from ..config import Settings
 from ..errors import StorageError
 from .base import ObjectInfo, Storage
 from .errmap import map_client_errors, status_error
-from .transport import SessionHolder, check_range, encoded_url, range_header, stream_body
+from .transport import (
+    SessionHolder,
+    check_range,
+    encoded_url,
+    past_end,
+    range_header,
+    stream_body,
+)
 
 __all__ = ["HttpStorage"]
 
@@ -69,6 +76,9 @@ class HttpStorage(Storage):
             resp = await session.get(encoded_url(self._href(key)), headers=headers)
         done = False
         try:
+            if past_end(resp, start):
+                done = True
+                return
             if resp.status not in (200, 206):
                 async with map_client_errors(url):
                     body = await resp.content.read(4096)

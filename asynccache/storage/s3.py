@@ -23,7 +23,14 @@ from ..errors import ObjectNotFoundError, StorageError
 from .base import ObjectInfo, Storage
 from .errmap import error_code, map_client_errors, status_error
 from .s3_auth import S3Signer
-from .transport import SessionHolder, check_range, encoded_url, range_header, stream_body
+from .transport import (
+    SessionHolder,
+    check_range,
+    encoded_url,
+    past_end,
+    range_header,
+    stream_body,
+)
 
 __all__ = ["S3Storage"]
 
@@ -169,6 +176,9 @@ class S3Storage(Storage):
             resp = await self._sessions.get().get(encoded_url(href), headers=signed)
         done = False
         try:
+            if past_end(resp, start):
+                done = True
+                return
             if resp.status not in (200, 206):
                 async with map_client_errors(url):
                     body = await resp.content.read(8192)

@@ -22,6 +22,7 @@ __all__ = [
     "SessionHolder",
     "check_range",
     "encoded_url",
+    "past_end",
     "range_header",
     "stream_body",
     "verify_tls",
@@ -95,6 +96,17 @@ def range_header(start: int, end: int | None) -> str | None:
     if start == 0 and end is None:
         return None
     return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
+
+
+def past_end(resp: aiohttp.ClientResponse, start: int) -> bool:
+    """True when ``resp`` is a 416 because ``start`` is at or beyond the object's end.
+
+    Reading ``[size, ...)`` then yields nothing, as slicing (and the local backend) does.
+    """
+    if resp.status != 416:
+        return False
+    total = resp.headers.get("Content-Range", "").rpartition("/")[2]
+    return total.isdigit() and start >= int(total)
 
 
 def check_range(start: int, end: int | None, url: str) -> None:

@@ -89,7 +89,18 @@ async def test_head_missing_names_url(backend: Backend) -> None:
 
 @pytest.mark.parametrize(
     ("start", "end"),
-    [(0, None), (0, 1), (10, 20), (100_000, None), (299_995, 300_000), (7, 7), (0, 300_000)],
+    [
+        (0, None),
+        (0, 1),
+        (10, 20),
+        (100_000, None),
+        (299_995, 300_000),
+        (7, 7),
+        (0, 300_000),
+        (299_990, 400_000),  # end past the object: the bytes that exist
+        (300_000, None),  # start at the end: nothing
+        (400_000, 500_000),  # wholly past the end: nothing
+    ],
 )
 async def test_iter_range(backend: Backend, start: int, end: int | None) -> None:
     got = b"".join([p async for p in backend.storage.iter_range("a.bin", start, end)])
