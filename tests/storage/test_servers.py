@@ -1,0 +1,88 @@
+"""The loopback servers themselves, and what the backends send them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from asynccache.config import Settings
+from asynccache.errors import BridgeError
+from asynccache.storage import open_storage
+from asynccache.testing import ObjectStore, StaticHTTPServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_objstore_lifecycle_and_pid() -> None:
+    with ObjectStore() as store:
+        pid = store.pid
+        assert Path(f"/proc/{pid}/stat").read_text().split()[0] == str(pid)
+        assert store.endpoint_url.startswith("http://127.0.0.1:")
+        assert store.env["AWS_ENDPOINT_URL"] == store.endpoint_url
+        assert store.storage_options["aws_access_key_id"] == store.access_key
+        assert store.secret_key not in repr(store)
+        store.create_bucket("lifecycle")
+        store.create_bucket("lifecycle")  # already there: fine
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError):
+        _ = store.pid
+    store.stop()  # idempotent
+
+
+async def test_http_sends_range_and_head(tmp_path: Path) -> None:
+    (tmp_path / "obj.bin").write_bytes(bytes(range(256)) * 100)
+    with StaticHTTPServer(tmp_path) as server:
+        storage = open_storage(server.url, Settings())
+        try:
+            assert (await storage.head("obj.bin")).size == 25_600
+            assert await storage.read("obj.bin", 10, 20) == bytes(range(10, 20))
+            assert await storage.read("obj.bin", 25_590) == bytes(range(246, 256))
+        finally:
+            await storage.close()
+    assert [(r.method, r.path, r.range) for r in server.requests] == [
+        ("HEAD", "/obj.bin", None),
+        ("GET", "/obj.bin", "bytes=10-19"),
+        ("GET", "/obj.bin", "bytes=25590-"),
+    ]
+
+
+async def test_one_pool_per_backend_sized_by_settings(objstore: ObjectStore, bucket: str) -> None:
+    storage = open_storage(f"s3://{bucket}", Settings(max_concurrency=3), objstore.storage_options)
+    try:
+        await storage.list()
+        session = storage.session_holder.get()  # type: ignore[attr-defined]
+        await storage.list()
+        assert storage.session_holder.get() is session  # type: ignore[attr-defined]
+        assert session.connector is not None and session.connector.limit == 3
+    finally:
+        await storage.close()
+    assert session.closed
+
+
+def test_backend_is_bound_to_its_loop(objstore: ObjectStore, bucket: str) -> None:
+    import asyncio
+
+    storage = open_storage(f"s3://{bucket}", Settings(), objstore.storage_options)
+
+    async def use() -> None:
+        await storage.list()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(use())
+        with pytest.raises(BridgeError, match="another event loop"):
+            asyncio.run(use())
+    finally:
+        loop.run_until_complete(storage.close())
+        loop.close()
+
+
+def test_backends_do_not_read_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")
+    storage = open_storage("s3://bkt/p", Settings(), aws_env={})
+    assert storage.endpoint == "https://s3.us-east-1.amazonaws.com"  # type: ignore[attr-defined]
+    assert storage.signer.region == "us-east-1"  # type: ignore[attr-defined]
