@@ -127,7 +127,7 @@ async def stream_body(
     skip = start if (resp.status == 200 and start > 0) else 0
     if resp.status == 200 and resp.content_length is not None:
         total = resp.content_length
-        expected: int | None = (total if end is None else min(end, total)) - start
+        expected: int | None = max(0, (total if end is None else min(end, total)) - start)
     elif resp.content_length is not None:
         expected = resp.content_length
     else:

@@ -325,3 +325,17 @@ def test_s3_verify_option_reaches_connector() -> None:
     assert off.session_holder.ssl_mode is False  # type: ignore[attr-defined]
     with pytest.raises(ConfigError):
         open_storage("s3://bkt", Settings(), {"verify": "maybe"})
+
+
+async def test_server_ignoring_range_is_trimmed(raw_server: RawServer) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _reply(writer, reader, b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789")
+
+    url = await raw_server(handler)
+    storage = open_storage(url, Settings(timeout_s=5))
+    try:
+        assert await storage.read("obj", 3, 6) == b"345"
+        assert await storage.read("obj", 8) == b"89"
+        assert await storage.read("obj", 20) == b""
+    finally:
+        await storage.close()
