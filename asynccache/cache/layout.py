@@ -80,9 +80,10 @@ class TempFile:
         * After :meth:`publish` or :meth:`discard` the descriptor is closed.
     """
 
-    def __init__(self, final: Path, size: int) -> None:
+    def __init__(self, final: Path, size: int, *, durable: bool = True) -> None:
         self.final = final
         self.size = size
+        self.durable = durable
         directory = final.parent
         for _ in range(3):
             name = f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
@@ -126,12 +127,14 @@ class TempFile:
         assert self.fd is not None
         try:
             os.ftruncate(self.fd, self.size)
-            os.fsync(self.fd)
+            if self.durable:
+                os.fsync(self.fd)
             # Downgrade rather than drop the lock: the file stays "alive" for sweepers, and
             # once renamed it is held shared (like a pin) until the descriptor closes.
             fcntl.flock(self.fd, fcntl.LOCK_SH)
             os.replace(self.path, self.final)
-            fsync_dir(self.final.parent)
+            if self.durable:
+                fsync_dir(self.final.parent)
         except OSError as exc:
             self.discard()
             raise cache_error(exc, self.final.parent) from exc

@@ -42,6 +42,8 @@ class ChunkStore:
         cache_dir: the directory whose total size the budget bounds (``root``'s parent).
         max_cache_bytes: the budget.
         lock_timeout_s: the bound on waiting for another process's download lock.
+        durable: fsync each chunk (and its directory) before and after publishing it, so
+            a power loss cannot leave a published name over unwritten blocks.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class ChunkStore:
         max_cache_bytes: int,
         cache_dir: str | os.PathLike[str] | None = None,
         lock_timeout_s: float = 600.0,
+        durable: bool = True,
     ) -> None:
         self.root = Path(root)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else self.root.parent
@@ -60,6 +63,8 @@ class ChunkStore:
         self._mu = threading.Lock()
         self.evicted = 0
         self._estimate = 0  # bytes under cache_dir at our last scan, plus our reservations
+        self._amutex: asyncio.Lock | None = None
+        self.durable = durable
         try:
             (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -151,7 +156,7 @@ class ChunkStore:
 
     def create_temp(self, name: str, size: int) -> TempFile:
         """A locked, preallocated temporary file that :meth:`TempFile.publish` makes ``name``."""
-        return TempFile(self.path(name), size)
+        return TempFile(self.path(name), size, durable=self.durable)
 
     # -- eviction ------------------------------------------------------------------------
     async def reserve(self, name: str, size: int) -> TempFile:
@@ -160,13 +165,20 @@ class ChunkStore:
         Both happen under the cache-wide eviction lock, so a concurrent reservation in
         another process sees this one's (preallocated) bytes and evicts for both.
         """
-        lock = self.cache_dir / EVICT_LOCK
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
-        try:
-            return await asyncio.to_thread(self._reserve_locked, name, size)
-        finally:
-            os.close(fd)
+        async with self._evict_mutex():
+            lock = self.cache_dir / EVICT_LOCK
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
+            try:
+                return await asyncio.to_thread(self._reserve_locked, name, size)
+            finally:
+                os.close(fd)
+
+    def _evict_mutex(self) -> asyncio.Lock:
+        # In-process callers queue here, so only one of them waits on the flock.
+        if self._amutex is None:
+            self._amutex = asyncio.Lock()
+        return self._amutex
 
     def _reserve_locked(self, name: str, size: int) -> TempFile:
         self._evict_locked(size)
@@ -179,13 +191,14 @@ class ChunkStore:
 
         Returns the number of bytes removed. Runs the directory scan off the loop.
         """
-        lock = self.cache_dir / EVICT_LOCK
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
-        try:
-            return await asyncio.to_thread(self._evict_locked, incoming)
-        finally:
-            os.close(fd)
+        async with self._evict_mutex():
+            lock = self.cache_dir / EVICT_LOCK
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
+            try:
+                return await asyncio.to_thread(self._evict_locked, incoming)
+            finally:
+                os.close(fd)
 
     def _evict_locked(self, incoming: int) -> int:
         used, entries = _scan(self.cache_dir)

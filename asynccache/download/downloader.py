@@ -185,9 +185,9 @@ class Downloader:
                 for round_ in (1, 2):
                     tmp = await self.store.reserve(spec.name, size)
                     try:
-                        await self._fill(spec.name, size, tmp)
+                        streamed = await self._fill(spec.name, size, tmp, spec.checksum)
                         await asyncio.to_thread(
-                            _verify_fd, tmp, spec, self.storage.object_url(spec.name)
+                            _verify_fd, tmp, spec, self.storage.object_url(spec.name), streamed
                         )
                         await asyncio.to_thread(tmp.publish)
                         break
@@ -204,8 +204,14 @@ class Downloader:
         finally:
             self.stats.finished()
 
-    async def _fill(self, key: str, size: int, tmp: TempFile) -> None:
+    async def _fill(self, key: str, size: int, tmp: TempFile, checksum: str | None) -> str | None:
+        """Fetch every part into ``tmp``; the checksum when it could be hashed on the fly.
+
+        A single-part chunk arrives in order, so it is hashed as it streams in; parts
+        arrive out of order, so a multi-part chunk is hashed from the file afterwards.
+        """
         parts = split_parts(size, self.settings.part_bytes)
+        hasher = xxhash.xxh3_64() if checksum and len(parts) == 1 else None
         await _all_or_nothing(
             fetch_range(
                 self.storage,
@@ -217,9 +223,11 @@ class Downloader:
                 timeout_s=self.settings.timeout_s,
                 semaphore=self._sem,
                 stats=self.stats,
+                hasher=hasher,
             )
             for start, end in parts
         )
+        return hasher.hexdigest() if hasher is not None else None
 
     # -- prefetch ------------------------------------------------------------------------
     def _set_hint(self, specs: list[ChunkSpec]) -> None:
@@ -298,13 +306,13 @@ def file_checksum(fd: int, size: int) -> str:
     return h.hexdigest()
 
 
-def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str) -> None:
+def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str, streamed: str | None) -> None:
     assert tmp.fd is not None
     actual_size = os.fstat(tmp.fd).st_size
     if actual_size != tmp.size:
         raise ChecksumMismatchError(f"{url}: got {actual_size} bytes, index says {tmp.size}")
     if spec.checksum:
-        actual = file_checksum(tmp.fd, tmp.size)
+        actual = streamed or file_checksum(tmp.fd, tmp.size)
         if actual != spec.checksum.lower():
             raise ChecksumMismatchError(
                 f"{url} (cached as {tmp.final}): xxh3_64 {actual} != index {spec.checksum}"

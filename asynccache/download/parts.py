@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 from ..cache.layout import TempFile
 from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
@@ -12,7 +13,14 @@ from ..storage.base import Storage
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
-__all__ = ["fetch_range", "split_parts"]
+__all__ = ["Hasher", "fetch_range", "split_parts"]
+
+
+class Hasher(Protocol):
+    """What ``fetch_range`` needs of a streaming hash (``xxhash.xxh3_64`` fits)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +43,12 @@ async def fetch_range(
     timeout_s: float,
     semaphore: asyncio.Semaphore,
     stats: DownloadStats,
+    hasher: Hasher | None = None,
 ) -> None:
     """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
+
+    ``hasher`` (optional) is fed every byte in order; resuming keeps that true, since a
+    retry continues exactly after the last byte fed.
 
     A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte) is
     retried after a backoff, resuming from the first byte not yet received. Each
@@ -53,7 +65,7 @@ async def fetch_range(
     while True:
         try:
             async with semaphore:
-                await _stream(storage, key, cursor, end, out, timeout_s, stats)
+                await _stream(storage, key, cursor, end, out, timeout_s, stats, hasher)
             if cursor[0] < end:
                 raise TransientError(
                     f"short body from {storage.object_url(key)}: {cursor[0] - start} of "
@@ -84,6 +96,7 @@ async def _stream(
     out: TempFile,
     timeout_s: float,
     stats: DownloadStats,
+    hasher: Hasher | None,
 ) -> None:
     """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
     pos = cursor[0]
@@ -102,6 +115,8 @@ async def _stream(
             if len(piece) > end - pos:
                 piece = piece[: end - pos]
             out.pwrite(piece, pos)
+            if hasher is not None:
+                hasher.update(piece)
             pos += len(piece)
             cursor[0] = pos
             stats.bytes += len(piece)

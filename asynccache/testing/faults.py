@@ -308,6 +308,8 @@ class FaultProxy:
         self, request: web.Request, resp: web.StreamResponse, fault: Fault
     ) -> web.StreamResponse:
         transport = request.transport
+        if transport is not None:
+            await _flushed(transport)  # the bytes before the fault really reach the client
         if fault.kind == "stall":
             assert self._closing is not None
             with contextlib.suppress(asyncio.TimeoutError):
@@ -318,3 +320,13 @@ class FaultProxy:
             else:
                 transport.abort()  # a reset (and the end of a stall)
         raise asyncio.CancelledError  # the response cannot be finished: drop the handler
+
+
+async def _flushed(transport: asyncio.BaseTransport, timeout: float = 2.0) -> None:
+    """Wait (bounded) until the kernel has taken every buffered byte of ``transport``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    get_size = getattr(transport, "get_write_buffer_size", None)
+    while get_size is not None and get_size() > 0 and not transport.is_closing():
+        if asyncio.get_running_loop().time() > deadline:
+            return
+        await asyncio.sleep(0.005)

@@ -100,7 +100,8 @@ def test_fault_recovered_byte_identical(tmp_path, lt, origin, case) -> None:
         if case in ("reset mid-body", "truncated body", "stall"):
             ranges = [r.range for r in proxy.requests if r.method == "GET"]
             start = int(ranges[1].split("=")[1].split("-")[0])
-            assert start >= fault.after_bytes  # resumed, not restarted
+            # resumed from what arrived (the client may drop its last partial read)
+            assert 0 < start <= fault.after_bytes
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "cache" / "ds").iterdir())
 
 
