@@ -189,6 +189,9 @@ class ObjectStore:
             )
         )
         config.chmod(0o600)
+        # weed reads master.toml from its working directory. Growing one volume per new
+        # bucket (collection) instead of seven keeps bucket creation fast and memory low.
+        (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
         ports = {
             name: free_port()
             for name in (
