@@ -42,6 +42,9 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotF
 _AUTH_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
 )
+_REGION_CODES = frozenset(
+    {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
+)
 _TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"})
 
 
@@ -95,7 +98,8 @@ def status_error(
     if status == 429 or status >= 500 or code in _TRANSIENT_CODES:
         retry_after = parse_retry_after((headers or {}).get("Retry-After"))
         return TransientError(f"server busy or failing: {what}", url=url, retry_after=retry_after)
-    return StorageError(f"unexpected response: {what}", url=url)
+    hint = " (is region_name right for this bucket?)" if code in _REGION_CODES else ""
+    return StorageError(f"unexpected response: {what}{hint}", url=url)
 
 
 @asynccontextmanager

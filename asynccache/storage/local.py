@@ -20,7 +20,7 @@ from pathlib import Path
 import aiofiles
 
 from ..errors import AuthError, ObjectNotFoundError, StorageError
-from .base import ObjectInfo, Storage
+from .base import ObjectInfo, Storage, _check_key
 from .transport import check_range
 
 __all__ = ["LocalStorage"]
@@ -48,7 +48,7 @@ class LocalStorage(Storage):
         return f"LocalStorage({self.url!r})"
 
     def local_path(self, key: str) -> str | None:
-        return str(self.root / key)
+        return str(self.root / _check_key(key, self.url))
 
     async def _head_impl(self, key: str) -> ObjectInfo:
         path = self.root / key
