@@ -88,6 +88,8 @@ class S3Storage(Storage):
         self.multipart_threshold = multipart_threshold
         self.part_size = max(part_size, _MIN_PART)
         self.upload_concurrency = max(1, min(4, settings.max_concurrency))
+        #: Keys per ListObjectsV2 page (the service may cap it, usually at 1000).
+        self.list_page_size = 1000
         self._sessions = SessionHolder(settings, verify=verify)
 
     def __repr__(self) -> str:
@@ -205,7 +207,7 @@ class S3Storage(Storage):
         out: list[ObjectInfo] = []
         token: str | None = None
         while True:
-            query = {"list-type": "2", "prefix": full}
+            query = {"list-type": "2", "prefix": full, "max-keys": str(self.list_page_size)}
             if token:
                 query["continuation-token"] = token
             resp = await self.request("GET", None, what=self.url, query=query)

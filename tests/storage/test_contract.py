@@ -149,6 +149,25 @@ async def test_list(backend: Backend) -> None:
     assert await backend.storage.list("zzz") == []
 
 
+async def test_list_paginates(backend: Backend) -> None:
+    if backend.name != "s3":
+        pytest.skip("pagination is an S3 notion")
+    storage = backend.storage
+    storage.list_page_size = 1  # type: ignore[attr-defined]
+    pages = 0
+    send = storage.request  # type: ignore[attr-defined]
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        nonlocal pages
+        pages += 1
+        return await send(*args, **kwargs)
+
+    storage.request = counting  # type: ignore[attr-defined]
+    every = await storage.list()
+    assert [o.key for o in every] == sorted(SEED)
+    assert pages == len(SEED)
+
+
 @pytest.mark.parametrize("size", [0, 1000, 12 << 20])
 async def test_upload_and_read_back(backend: Backend, tmp_path: Path, size: int) -> None:
     src = tmp_path / "src.bin"
