@@ -9,6 +9,7 @@ and is the commit point: a reader that sees it sees every chunk it names.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import os
 import time
@@ -133,8 +134,13 @@ def merge_dir(
     token: str | None = None,
     timeout_s: float = 600.0,
     config: Mapping[str, Any] | None = None,
+    renumber: bool = False,
 ) -> Index:
     """Wait for every writer's ``{w}.index.json`` of this ``token``, then write ``index.json``.
+
+    With ``renumber``, each writer's keys are its own ``0 .. n-1`` (it could not know
+    global positions, e.g. when it read an iterable); they are shifted so that writer 0's
+    items come first, then writer 1's, and so on.
 
     Raises:
         CacheError: a writer's index did not appear within ``timeout_s`` (names which).
@@ -157,6 +163,8 @@ def merge_dir(
                     f"{directory}: writers {sorted(pending)} did not finish within {timeout_s}s"
                 )
             time.sleep(0.02)
+    if renumber:
+        parts = _renumbered(parts)
     cfg = dict(config or (parts[0].config if parts else {}))
     try:
         idx = merge(parts, cfg)
@@ -164,6 +172,18 @@ def merge_dir(
         raise BadIndexError(f"{directory}: cannot merge writer indexes: {exc}") from exc
     atomic_write(os.path.join(directory, INDEX_NAME), [idx.to_json().encode()], fsync=True)
     return idx
+
+
+def _renumbered(parts: list[Index]) -> list[Index]:
+    out, offset = [], 0
+    for part in sorted(parts, key=lambda p: p.writer or 0):
+        chunks = tuple(
+            dataclasses.replace(c, keys=tuple((a + offset, n) for a, n in c.keys))
+            for c in part.chunks
+        )
+        out.append(dataclasses.replace(part, chunks=chunks))
+        offset += part.total_items
+    return out
 
 
 def remove_partial(directory: str) -> None:

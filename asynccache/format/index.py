@@ -33,6 +33,7 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ..errors import BadIndexError, UnsafePathError
@@ -207,6 +208,28 @@ class Index:
         for c in self.chunks:
             if sum(n for _, n in c.keys) != c.items:
                 raise BadIndexError(f"{where}: {c.filename}: keys don't add up to its item count")
+
+    def chunk_keys(self, ci: int) -> np.ndarray:
+        """The keys chunk ``ci`` holds, in storage order."""
+        runs_ = self.chunks[ci].keys
+        if not runs_:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in runs_])
+
+    def locate_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised :meth:`locate`: ``(chunk numbers, positions)`` of in-range ``keys``."""
+        starts, rest = self._table()
+        arr = self.__dict__.get("_arr")
+        if arr is None:
+            arr = (
+                np.asarray(starts, dtype=np.int64),
+                np.asarray([r[1] for r in rest], dtype=np.int64),
+                np.asarray([r[2] for r in rest], dtype=np.int64),
+            )
+            object.__setattr__(self, "_arr", arr)
+        s, chunk, pos = arr
+        r = np.searchsorted(s, keys, side="right") - 1
+        return chunk[r], pos[r] + (keys - s[r])
 
     def locate(self, key: int) -> tuple[int, int]:
         """``(chunk number, position in chunk)`` of ``key``. IndexError when out of range."""

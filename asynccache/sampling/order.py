@@ -12,7 +12,7 @@ requested range of positions touches, so memory is bounded by a window, not by N
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -27,7 +27,8 @@ class EpochOrder:
     """Maps positions of the epoch order S to dataset keys.
 
     Args:
-        chunk_keys: for each chunk, the keys it holds (in storage order).
+        chunk_sizes: how many keys each chunk holds.
+        keys_of: the keys chunk ``c`` holds, in storage order (asked for lazily).
         seed, epoch: the order is a pure function of these and ``chunk_keys``.
         shuffle: permute as described in the module docstring; else keys in order.
         window: how many chunks are mixed together when shuffling.
@@ -35,23 +36,24 @@ class EpochOrder:
 
     def __init__(
         self,
-        chunk_keys: Sequence[np.ndarray],
+        chunk_sizes: Sequence[int],
+        keys_of: Callable[[int], np.ndarray],
         *,
         seed: int,
         epoch: int,
         shuffle: bool,
         window: int = 4,
     ) -> None:
-        self.total = int(sum(len(k) for k in chunk_keys))
+        self.total = int(sum(chunk_sizes))
         self.shuffle = shuffle
-        self._chunk_keys = chunk_keys
+        self._keys_of = keys_of
         self._seed, self._epoch = seed, epoch
         self._cache: tuple[int, np.ndarray] | None = None
         if not shuffle:
             return
-        perm = _rng(seed, epoch, 0).permutation(len(chunk_keys))
+        perm = _rng(seed, epoch, 0).permutation(len(chunk_sizes))
         self._windows = [perm[i : i + max(1, window)] for i in range(0, len(perm), max(1, window))]
-        sizes = [sum(len(chunk_keys[c]) for c in w) for w in self._windows]
+        sizes = [sum(chunk_sizes[c] for c in w) for w in self._windows]
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
 
     def __len__(self) -> int:
@@ -60,7 +62,7 @@ class EpochOrder:
     def _window(self, g: int) -> np.ndarray:
         if self._cache is not None and self._cache[0] == g:
             return self._cache[1]
-        keys = np.concatenate([self._chunk_keys[c] for c in self._windows[g]])
+        keys = np.concatenate([self._keys_of(int(c)) for c in self._windows[g]])
         keys = keys[_rng(self._seed, self._epoch, g + 1).permutation(len(keys))]
         self._cache = (g, keys)
         return keys

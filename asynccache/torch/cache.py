@@ -136,8 +136,10 @@ class Cache:
     # -- writing -------------------------------------------------------------------
     def __setitem__(self, key: int, item: Any) -> None:
         if self.remote:
-            raise ConfigError(f"{self.url}: a remote Cache is read-only; write the dataset to "
-                              "a local directory, then publish it with asynccache.upload()")
+            raise ConfigError(
+                f"{self.url}: a remote Cache is read-only; write the dataset to "
+                "a local directory, then publish it with asynccache.upload()"
+            )
         if not self._accept:
             return  # a repeat the loader pads with; its first copy is written elsewhere
         if self._writer is None:

@@ -1,126 +1,61 @@
-"""``CacheDataLoader``: the first epoch writes the dataset to chunks, later epochs read them."""
+"""``CacheDataLoader``: the first epoch writes the dataset to chunks, later epochs stream them."""
 
 from __future__ import annotations
 
 import os
 import secrets
-import time
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from ..errors import CacheError, ConfigError
-from ..format import INDEX_NAME
-from ..writer import merge_dir, read_index, remove_partial
+from ..errors import ConfigError, ResumeStateError
+from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
 from .sampling import EpochSampler, epoch_order, rank_share
+from .streaming import StreamingDataset
+from .writepass import IterableWritePass, MapWritePass, owned_cache, wait_for_index
 
 _UNSUPPORTED = ("sampler", "batch_sampler")
 MERGE_TIMEOUT_S = 3600.0
+STATE_VERSION = 1
 
 
 def _identity(batch: Any) -> Any:
     return batch
 
 
-def _owned_cache(dataset: Any) -> Cache | None:
-    """The ``Cache`` a dataset keeps as an attribute (the "fills itself" pattern), if any."""
-    if isinstance(dataset, Cache):
-        return dataset
-    for value in getattr(dataset, "__dict__", {}).values():
-        if isinstance(value, Cache):
-            return value
-    return None
-
-
-class _CachedItems(Dataset[Any]):
-    """Map-style view of a filled cache."""
-
-    def __init__(self, cache: Cache) -> None:
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, key: int) -> Any:
-        return self.cache[key]
-
-
-class _WritePass(IterableDataset[Any]):
-    """One rank's first epoch: DataLoader worker ``w`` handles batches ``w, w+W, ...``.
-
-    That is exactly the round-robin order in which a DataLoader over a map-style dataset
-    would hand out batches, so the batches come out in the same order as a later epoch's.
-    Every key of the rank is read and written once, also the ones a ``drop_last`` batch
-    drops (they are written, not yielded); padded repeats are yielded, not written.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        cache: Cache,
-        owned: bool,
-        batches: list[list[tuple[int, bool]]],
-        leftover: list[tuple[int, bool]],
-        rank: int,
-        num_workers: int,
-        token: str,
-        collate_fn: Callable[[list[Any]], Any],
-    ) -> None:
-        self.dataset, self.cache, self.owned = dataset, cache, owned
-        self.batches, self.leftover = batches, leftover
-        self.rank, self.num_workers, self.token = rank, num_workers, token
-        self.collate_fn = collate_fn
-
-    def __iter__(self) -> Iterator[Any]:
-        world = distributed.current(self.num_workers)
-        w, nw = world.worker, world.num_workers
-        cache = self.cache
-        cache._begin_write(self.rank * nw + w, self.token)
-        try:
-            for b in range(w, len(self.batches), nw):
-                yield self.collate_fn([self._item(k, first) for k, first in self.batches[b]])
-            if self.leftover and len(self.batches) % nw == w:
-                for k, first in self.leftover:
-                    self._item(k, first)
-        except GeneratorExit:
-            cache._writer = None  # an abandoned pass publishes no index
-            raise
-        cache._finish_write()
-
-    def _item(self, key: int, first: bool) -> Any:
-        if self.owned:  # the dataset writes itself in __getitem__
-            self.cache._accept = first
-            try:
-                return self.dataset[key]
-            finally:
-                self.cache._accept = True
-        item = self.dataset[key]
-        if first:
-            self.cache[key] = item
-        return item
-
-
 class CacheDataLoader:
     """Iterate a dataset in batches; the first epoch also writes it to a chunked cache.
 
-    Epoch 1 reads the wrapped map-style dataset and writes its items: each DataLoader
-    worker of each rank writes its own ``chunk-{writer}-{n}.bin`` and
-    ``{writer}.index.json``, merged into ``index.json`` when the epoch ends. Later epochs,
-    and later processes, read from the cache and never touch the dataset.
-    A dataset that owns a :class:`Cache` attribute and fills it in ``__getitem__`` works
-    too: the loader drives it and finishes its writers.
+    Sources:
 
-    Batches collate as torch's ``default_collate`` would. Under ``torch.distributed`` each
-    rank iterates its share (padded to equal length, like ``DistributedSampler``). The
-    order of epoch ``e`` depends only on ``(seed, e)``; each ``iter()`` starts the next
-    epoch (or set it with :meth:`set_epoch`).
+    * a map-style dataset plus ``cache_dir``: epoch 1 reads the dataset and writes its
+      items (each DataLoader worker of each rank its own ``chunk-{writer}-{n}.bin`` and
+      ``{writer}.index.json``, merged into ``index.json`` when the epoch ends), in the
+      same batch order torch's DataLoader would use. Later epochs, and later processes,
+      stream from the cache and never touch the dataset;
+    * an ``IterableDataset`` plus ``cache_dir``: the same, keys numbered per writer;
+    * a dataset that owns a :class:`Cache` and fills it in ``__getitem__``: the loader
+      drives it and finishes its writers; later epochs call the dataset, which reads its
+      cache;
+    * a :class:`StreamingDataset`, a :class:`Cache`, or the path/URL of a written dataset.
+
+    Batches collate as torch's ``default_collate`` would. Under ``torch.distributed``
+    every rank gets the same number of batches. Each ``iter()`` runs the next epoch (or
+    choose it with :meth:`set_epoch`); the order of an epoch is reproducible from
+    ``seed``. The first (writing) epoch shuffles with a plain permutation; streamed
+    epochs use the chunk-aware order of :class:`StreamingDataset`.
+
+    :meth:`state_dict` records what the consumer received, in constant size;
+    :meth:`load_state_dict` in a new process continues exactly after it, also with
+    another ``num_workers`` or world size (for a streamed epoch; the writing epoch
+    resumes with the same world size and workers, re-reading what it skips).
 
     Args:
-        dataset: a map-style dataset, a :class:`Cache`, or the path of a written dataset.
-        cache_dir: where to write the chunks (not needed when the dataset owns a Cache).
+        dataset: see above.
+        cache_dir: where to write the chunks; for a URL, where to cache them.
         chunk_bytes / chunk_size: chunk limits for writing (see :class:`Cache`).
         batch_size, num_workers, shuffle, drop_last, collate_fn: as torch's DataLoader.
         seed: the shuffle seed.
@@ -147,43 +82,75 @@ class CacheDataLoader:
                 raise ConfigError(
                     f"CacheDataLoader orders items itself (shuffle, seed); {name}= is not supported"
                 )
-        if batch_size is None or batch_size < 1:
+        if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if isinstance(dataset, (str, os.PathLike)):
-            dataset = Cache(dataset)
-        owned = _owned_cache(dataset)
-        if owned is not None:
-            self.cache, self._owned = owned, owned is not dataset
-        elif cache_dir is not None:
-            self.cache = Cache(cache_dir, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
-            self._owned = False
+        self._stream: StreamingDataset | None = None
+        self._owned = False
+        if isinstance(dataset, StreamingDataset):
+            self._stream = dataset
+            self.cache = None
         else:
-            raise ConfigError(
-                "CacheDataLoader needs cache_dir= (where to write the chunks) "
-                "unless the dataset keeps its own Cache"
-            )
+            if isinstance(dataset, (str, os.PathLike)):
+                dataset = Cache(dataset, cache_dir=cache_dir)
+            owned = owned_cache(dataset)
+            if owned is not None:
+                self.cache, self._owned = owned, owned is not dataset
+            elif cache_dir is not None:
+                self.cache = Cache(cache_dir, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+            else:
+                raise ConfigError(
+                    "CacheDataLoader needs cache_dir= (where to write the chunks) unless the "
+                    "dataset keeps its own Cache"
+                )
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.shuffle = shuffle
-        self.seed = seed
+        self.shuffle = self._stream.shuffle if self._stream else shuffle
+        self.seed = self._stream.seed if self._stream else seed
         self.drop_last = drop_last
         self.collate_fn = collate_fn or default_collate
         self.kwargs = kwargs
-        self._epoch = 0
+        self._epoch = 0  # the epoch the next iter() runs
+        self._current = 0  # the epoch running (or last run)
+        self._batches = 0  # batches the consumer received in it
+        self._writing = False
+        self._resume: dict[str, Any] | None = None
         self._check_matches()
 
     def _check_matches(self) -> None:
+        c = self.cache
         if (
-            self.cache.filled
+            c is not None
+            and not self._owned
+            and self.dataset is not c
             and isinstance(self.dataset, Sized)
-            and self.dataset is not self.cache
-            and len(self.dataset) != len(self.cache)
+            and c.filled
+            and len(self.dataset) != len(c)
         ):
             raise ConfigError(
-                f"{self.cache.input_dir} holds {len(self.cache)} items but the dataset has "
-                f"{len(self.dataset)}; delete the directory or choose another cache_dir"
+                f"{c.input_dir} holds {len(c)} items but the dataset has {len(self.dataset)};"
+                " delete the directory or choose another cache_dir"
             )
+
+    # -- which path an epoch takes -------------------------------------------------
+    def _streaming(self) -> StreamingDataset:
+        if self._stream is None:
+            assert self.cache is not None
+            c = self.cache
+            self._stream = StreamingDataset(
+                c.url,
+                cache_dir=c.cache_dir,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                drop_last=self.drop_last,
+                storage_options=c.storage_options,
+                max_cache_bytes=c.max_cache_bytes,
+                allow_pickle=c.allow_pickle,
+            )
+        return self._stream
+
+    def _must_write(self) -> bool:
+        return self.cache is not None and self._stream is None and not self.cache.filled
 
     # -- epochs --------------------------------------------------------------------
     @property
@@ -193,30 +160,63 @@ class CacheDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-
-    def _length(self) -> int:
-        return len(self.cache) if self.cache.filled else len(self.dataset)
+        self._resume = None
 
     def __len__(self) -> int:
-        world = distributed.current()
-        per_rank = -(-self._length() // world.world_size)
+        if self._owned or self._must_write():
+            world = distributed.current()
+            n = (
+                len(self.cache)
+                if self.cache is not None and self.cache.filled
+                else len(self.dataset)
+            )
+            per_rank = -(-n // world.world_size)
+        else:
+            ds = self._streaming()
+            ds.batch_size, ds.num_workers = self.batch_size, max(1, self.num_workers)
+            per_rank = len(ds)
         if self.drop_last:
             return per_rank // self.batch_size
         return -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self._epoch
-        self._epoch += 1
-        if self.cache.filled:
-            return self._read_epoch(epoch)
-        return self._write_epoch(epoch)
+        resume, self._resume = self._resume, None
+        epoch = int(resume["epoch"]) if resume else self._epoch
+        self._epoch = epoch + 1
+        self._current, self._batches = epoch, 0
+        self._writing = self._must_write()
+        if self._owned:
+            return self._count(self._owned_epoch(epoch))
+        if self._must_write():
+            skip = int(resume["batches"]) if resume else 0
+            return self._count(self._write_epoch(epoch, skip))
+        return self._count(self._stream_epoch(epoch, resume))
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._batches += 1  # before the yield: the consumer has it when it resumes us
+            yield batch
 
     def _loader(self, dataset: Any, **kw: Any) -> DataLoader[Any]:
         return DataLoader(dataset, num_workers=self.num_workers, **kw, **self.kwargs)
 
-    def _read_epoch(self, epoch: int) -> Iterator[Any]:
+    def _stream_epoch(self, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
+        ds = self._streaming()
+        if resume is not None:
+            ds.load_state_dict(resume["stream"])
+        else:
+            ds.set_epoch(epoch)
+        ds.batch_size, ds.num_workers = self.batch_size, max(1, self.num_workers)
+        yield from self._loader(
+            ds, batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn
+        )
+
+    def _owned_epoch(self, epoch: int) -> Iterator[Any]:
+        assert self.cache is not None
+        if not self.cache.filled:
+            yield from self._write_epoch(epoch, 0)
+            return
         world = distributed.current()
-        source = self.dataset if self._owned else _CachedItems(self.cache)
         sampler = EpochSampler(
             len(self.cache),
             shuffle=self.shuffle,
@@ -226,44 +226,60 @@ class CacheDataLoader:
             world_size=world.world_size,
         )
         yield from self._loader(
-            source,
+            self.dataset,
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
         )
 
-    def _write_epoch(self, epoch: int) -> Iterator[Any]:
+    def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
+        assert self.cache is not None
         world = distributed.current()
         token = None
         if world.rank == 0:
             remove_partial(self.cache.input_dir)
             token = secrets.token_hex(8)
         token = str(distributed.broadcast(token))
-        n = len(self.dataset)
-        share = rank_share(
-            epoch_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch),
-            world.rank,
-            world.world_size,
-        )
-        bs = self.batch_size
-        batches = [share[i : i + bs] for i in range(0, len(share), bs)]
-        leftover: list[tuple[int, bool]] = []
-        if self.drop_last and batches and len(batches[-1]) < bs:
-            leftover = batches.pop()
         nw = max(1, self.num_workers)
-        source = _WritePass(
-            self.dataset,
-            self.cache,
-            self._owned,
-            batches,
-            leftover,
-            world.rank,
-            nw,
-            token,
-            self.collate_fn,
-        )
-        yield from self._loader(source, batch_size=None, collate_fn=_identity)
+        iterable = isinstance(self.dataset, IterableDataset)
+        source: IterableDataset[Any]
+        if iterable:
+            source = IterableWritePass(self.dataset, self.cache, world.rank, nw, token)
+            loader = self._loader(
+                source,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                collate_fn=self.collate_fn,
+            )
+        else:
+            share = rank_share(
+                epoch_order(len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=epoch),
+                world.rank,
+                world.world_size,
+            )
+            bs = self.batch_size
+            batches = [share[i : i + bs] for i in range(0, len(share), bs)]
+            leftover: list[tuple[int, bool]] = []
+            if self.drop_last and batches and len(batches[-1]) < bs:
+                leftover = batches.pop()
+            source = MapWritePass(
+                self.dataset,
+                self.cache,
+                self._owned,
+                batches,
+                leftover,
+                world.rank,
+                nw,
+                token,
+                self.collate_fn,
+            )
+            loader = self._loader(source, batch_size=None, collate_fn=_identity)
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+            else:
+                self._batches += 1  # received before the restart this resumes
         writers = range(world.world_size * nw)
         if world.rank == 0:
             merge_dir(
@@ -271,22 +287,71 @@ class CacheDataLoader:
                 writers,
                 token=token,
                 timeout_s=MERGE_TIMEOUT_S,
-                config={**self._write_config(), "token": token},
+                config={
+                    "chunk_bytes": self.cache.chunk_bytes,
+                    "chunk_size": self.cache.chunk_size,
+                    "token": token,
+                },
+                renumber=iterable,
             )
         else:
-            _wait_for_index(self.cache.input_dir, token, MERGE_TIMEOUT_S)
+            wait_for_index(self.cache.input_dir, token, MERGE_TIMEOUT_S)
+        self._writing = False
 
-    def _write_config(self) -> dict[str, Any]:
-        return {"chunk_bytes": self.cache.chunk_bytes, "chunk_size": self.cache.chunk_size}
+    # -- resume --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has received, as of the last batch it got. Constant size."""
+        world = distributed.current()
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "epoch": self._current,
+            "batches": self._batches,
+            "world": world.world_size,
+            "num_workers": max(1, self.num_workers),
+            "batch_size": self.batch_size,
+            "writing": self._writing,
+        }
+        if self._owned:
+            raise ResumeStateError(
+                "a dataset that fills its own Cache can't be resumed mid-epoch; pass the "
+                "cache directory to CacheDataLoader instead to stream it resumably"
+            )
+        if not self._writing and (self._stream is not None or not self._must_write()):
+            ds = self._streaming()
+            received = self._batches * self.batch_size
+            if self._batches or self._current == self._epoch - 1:
+                received = min(received, ds._plan(world, max(1, self.num_workers)).rank_samples)
+            state["stream"] = ds.state_dict(
+                received=received, num_workers=max(1, self.num_workers), batch_size=self.batch_size
+            )
+        return state
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue exactly after what ``state`` says was received.
 
-def _wait_for_index(directory: str, token: str, timeout_s: float) -> None:
-    """Block until rank 0 has published the ``index.json`` of this write pass."""
-    path = os.path.join(directory, INDEX_NAME)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if os.path.exists(path) and read_index(path).config.get("token") == token:
+        Raises:
+            ResumeStateError: the state is from another dataset, seed or shuffle setting,
+                or is a writing epoch saved with another world size or worker count.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ResumeStateError("not a CacheDataLoader state")
+        if state.get("writing"):
+            world = distributed.current()
+            if not self._must_write():
+                raise ResumeStateError(
+                    "the state is from the writing epoch, but this cache is already filled"
+                )
+            got = (state["world"], state["num_workers"], state["batch_size"])
+            want = (world.world_size, max(1, self.num_workers), self.batch_size)
+            if got != want:
+                raise ResumeStateError(
+                    f"the writing epoch resumes only with the same (world size, workers, "
+                    f"batch size): state has {got}, this loader {want}"
+                )
+            self._resume = dict(state)
             return
-        if time.monotonic() > deadline:
-            raise CacheError(f"{path} was not written by rank 0 within {timeout_s}s")
-        time.sleep(0.05)
+        if "stream" not in state:
+            raise ResumeStateError("the state has no streaming position")
+        ds = self._streaming()
+        ds.load_state_dict(state["stream"])  # validates the dataset, seed and shuffle
+        self._resume = {"epoch": ds.epoch, "stream": state["stream"]}

@@ -107,14 +107,14 @@ def chunk_keys(sizes):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_epoch_order_is_a_deterministic_permutation(shuffle):
     keys = chunk_keys([10, 7, 13, 10, 5, 9])
-    a = EpochOrder(keys, seed=1, epoch=0, shuffle=shuffle, window=2)
-    b = EpochOrder(keys, seed=1, epoch=0, shuffle=shuffle, window=2)
+    a = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2)
+    b = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2)
     whole = a.keys(0, len(a))
     assert sorted(whole.tolist()) == list(range(54))
     assert whole.tolist() == b.keys(0, 54).tolist()
     pieces = np.concatenate([a.keys(i, min(i + 5, 54)) for i in range(0, 54, 5)])
     assert pieces.tolist() == whole.tolist(), "ranges agree with the whole"
-    c = EpochOrder(keys, seed=1, epoch=1, shuffle=shuffle, window=2).keys(0, 54)
+    c = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=1, shuffle=shuffle, window=2).keys(0, 54)
     assert (c.tolist() != whole.tolist()) == shuffle
 
 
@@ -125,7 +125,7 @@ def same_chunk_neighbours(order, size):
 def test_shuffle_mixes_across_chunks_better_than_within_chunk_shuffle():
     size, chunks = 100, 40
     keys = chunk_keys([size] * chunks)
-    ours = EpochOrder(keys, seed=0, epoch=0, shuffle=True, window=4).keys(0, size * chunks)
+    ours = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=0, epoch=0, shuffle=True, window=4).keys(0, size * chunks)
     rng = np.random.default_rng(0)
     within = np.concatenate([rng.permutation(k) for k in rng.permutation(keys)])
     a, b = same_chunk_neighbours(ours, size), same_chunk_neighbours(within, size)

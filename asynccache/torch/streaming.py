@@ -1,0 +1,276 @@
+"""``StreamingDataset``: stream a written dataset from any URL, in a reproducible order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from ..config import Settings
+from ..errors import ConfigError, ResumeStateError
+from ..reader import Reader
+from ..sampling import EpochOrder, Plan, consumed_to_remaining, plan
+from ..sampling.partition import Interval
+from ..source import DatasetSource
+from . import distributed
+
+STATE_VERSION = 1
+_BLOCK = 512  # positions materialised at a time; bounds memory per worker
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where an epoch stands: the plan it runs and how much its consumer received."""
+
+    epoch: int = 0
+    remaining: list[Interval] | None = None  # None: the whole epoch
+    world: int = 1
+    num_workers: int = 1
+    batch_size: int = 1
+    received: int = 0
+
+
+class StreamingDataset(IterableDataset[Any]):
+    """Items of a written dataset, streamed in sampler order with chunks fetched ahead.
+
+    Opening reads only ``index.json``. Iterating, each DataLoader worker of each rank
+    reads its own contiguous part of the epoch order (whole chunks, or whole windows of
+    chunks when shuffling), telling the downloader which chunks come next so they arrive
+    before they are needed, and releasing chunks to the cache's LRU once read.
+
+    The order of epoch ``e`` is a pure function of (dataset, ``seed``, ``e``, world size,
+    workers, batch size): identical on every rerun, different for the next epoch. Call
+    :meth:`set_epoch` each epoch when you use a plain ``torch.utils.data.DataLoader``
+    (``CacheDataLoader`` does it for you, and tracks what was consumed for resume).
+
+    Under ``torch.distributed`` (or ``RANK``/``WORLD_SIZE`` with a launched group) every
+    rank yields the same number of samples, so DDP never hangs: with ``drop_last=True``
+    the remainder is dropped; otherwise ranks are padded by repeating the epoch's first
+    samples, like ``DistributedSampler``.
+
+    ``len(ds)`` is the number of samples this rank yields per epoch; ``ds[i]`` returns
+    the item written under key ``i`` (``0 <= i < ds.num_items``), fetching its chunk on
+    demand.
+
+    Args:
+        input_dir: a local directory or a URL (``s3://``, ``http(s)://``, ``file://``).
+        cache_dir: local cache for remote chunks (default ``ASYNCCACHE_CACHE_DIR``).
+        shuffle: mix chunks and, within windows of ``shuffle_window`` chunks, items.
+        seed: the shuffle seed.
+        drop_last: drop the samples that don't divide evenly over ranks (default False:
+            pad instead).
+        max_cache_bytes: cache budget (default ``ASYNCCACHE_MAX_CACHE_BYTES``).
+        transform: applied to each item in the worker.
+        storage_options: endpoint, credentials and TLS options.
+        batch_size: the consumer's batch size; ``CacheDataLoader`` sets it. With a plain
+            DataLoader, setting it keeps every batch but the last full and the batches in
+            a resumable order.
+        shuffle_window: chunks mixed together when shuffling.
+    """
+
+    def __init__(
+        self,
+        input_dir: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool | None = None,
+        max_cache_bytes: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        batch_size: int = 1,
+        shuffle_window: int = 4,
+        allow_pickle: bool = False,
+        settings: Settings | None = None,
+    ) -> None:
+        if shuffle_window < 1:
+            raise ConfigError(f"shuffle_window must be >= 1, got {shuffle_window}")
+        self.settings = settings or Settings.from_env(max_cache_bytes=max_cache_bytes)
+        self.source = DatasetSource(
+            input_dir, cache_dir=cache_dir, storage_options=storage_options, settings=self.settings
+        )
+        self.index = self.source.index
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.transform = transform
+        self.batch_size = batch_size
+        self.shuffle_window = shuffle_window
+        self.num_workers: int | None = None  # set by CacheDataLoader; else from torch
+        self._progress = _Progress()
+        self._reader = Reader(
+            self.index,
+            self.source.acquire,
+            release=self.source.release,
+            verify=not self.source.remote,
+            allow_pickle=allow_pickle,
+            max_open=shuffle_window + 2,
+        )
+        self._yielded = 0
+
+    # -- size and random access ----------------------------------------------------
+    @property
+    def num_items(self) -> int:
+        return self.index.total_items
+
+    def __len__(self) -> int:
+        return self._plan(distributed.current()).rank_samples
+
+    def __getitem__(self, key: int) -> Any:
+        item = self._reader[int(key)]
+        return self.transform(item) if self.transform else item
+
+    # -- epochs --------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (drops a partially resumed one)."""
+        if epoch != self._progress.epoch or self._progress.remaining is not None:
+            self._progress = _Progress(epoch=epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._progress.epoch
+
+    def _plan(self, world: distributed.World, num_workers: int | None = None) -> Plan:
+        remaining = self._progress.remaining
+        if remaining is None:
+            remaining = [(0, self.num_items)] if self.num_items else []
+        workers = num_workers or self.num_workers or world.num_workers
+        return plan(
+            remaining,
+            world=world.world_size,
+            rank=world.rank,
+            num_workers=max(1, workers),
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+
+    def _order(self) -> EpochOrder:
+        return EpochOrder(
+            [c.items for c in self.index.chunks],
+            self.index.chunk_keys,
+            seed=self.seed,
+            epoch=self._progress.epoch,
+            shuffle=self.shuffle,
+            window=self.shuffle_window,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        world = distributed.current(self.num_workers)
+        p = self._plan(world, world.num_workers)
+        segments = p.workers[world.worker]
+        order = self._order()
+        self._yielded = 0
+        try:
+            for seg in segments:
+                for a in range(seg.start, seg.end, _BLOCK):
+                    keys = order.keys(a, min(seg.end, a + _BLOCK))
+                    chunks, positions = self.index.locate_many(keys)
+                    self._hint(order, segments, seg, a, chunks)
+                    for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
+                        item = self._reader.read(ci, pos)
+                        self._yielded += 1
+                        yield self.transform(item) if self.transform else item
+        finally:
+            self._reader.close()
+
+    def _hint(self, order: EpochOrder, segments: Any, seg: Any, a: int, chunks: np.ndarray) -> None:
+        """Tell the downloader which chunks this worker needs next, in order."""
+        if not self.source.remote:
+            return
+        want = max(self.settings.prefetch_chunks, 1) + self.shuffle_window
+        seen: dict[int, None] = dict.fromkeys(chunks.tolist())
+        end = min(seg.end, a + _BLOCK)
+        later = [(end, seg.end)] + [(s.start, s.end) for s in segments[segments.index(seg) + 1 :]]
+        for lo, hi in later:
+            pos = lo
+            while pos < hi and len(seen) < want:
+                nxt = order.keys(pos, min(hi, pos + _BLOCK))
+                seen.update(dict.fromkeys(self.index.locate_many(nxt)[0].tolist()))
+                pos += _BLOCK
+            if len(seen) >= want:
+                break
+        self.source.hint(list(seen)[:want])
+
+    # -- resume --------------------------------------------------------------------
+    def state_dict(
+        self,
+        received: int | None = None,
+        num_workers: int | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """Where this epoch stands, in constant size (no per-sample lists).
+
+        ``received``: samples this rank's consumer received this epoch (``CacheDataLoader``
+        passes it; iterating the dataset directly counts what it yielded).
+        """
+        world = distributed.current(num_workers)
+        direct = received is None
+        pr = self._progress
+        remaining = (
+            pr.remaining
+            if pr.remaining is not None
+            else ([(0, self.num_items)] if self.num_items else [])
+        )
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.index.checksum,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "drop_last": self.drop_last,
+            "epoch": pr.epoch,
+            "remaining": [list(r) for r in remaining],
+            "world": world.world_size,
+            "num_workers": 1 if direct else max(1, num_workers or world.num_workers),
+            "batch_size": 1 if direct else (batch_size or self.batch_size),
+            "received": self._yielded if direct else int(received or 0),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the samples ``state`` says were received.
+
+        Works with another world size or worker count than the state was saved with.
+
+        Raises:
+            ResumeStateError: the state belongs to another dataset, seed or shuffle setting.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ResumeStateError(
+                f"not a StreamingDataset state (version "
+                f"{state.get('version') if isinstance(state, dict) else '?'})"
+            )
+        for key, mine in (
+            ("dataset", self.index.checksum),
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("shuffle_window", self.shuffle_window),
+            ("drop_last", self.drop_last),
+        ):
+            if state.get(key) != mine:
+                raise ResumeStateError(
+                    f"{self.source.url}: the state was saved with {key}={state.get(key)!r}, "
+                    f"this dataset has {key}={mine!r}; it can't continue that epoch"
+                )
+        remaining = [(int(a), int(b)) for a, b in state["remaining"]]
+        args = {
+            "world": int(state["world"]),
+            "num_workers": int(state["num_workers"]),
+            "batch_size": int(state["batch_size"]),
+            "drop_last": self.drop_last,
+        }
+        rest = consumed_to_remaining(remaining, received=int(state["received"]), **args)
+        if rest:
+            self._progress = _Progress(epoch=int(state["epoch"]), remaining=rest)
+        else:  # the epoch was complete: the next one starts from its beginning
+            self._progress = _Progress(epoch=int(state["epoch"]) + 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamingDataset({self.source.url!r}, items={self.num_items}, "
+            f"shuffle={self.shuffle}, epoch={self.epoch})"
+        )
