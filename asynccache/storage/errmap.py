@@ -125,8 +125,23 @@ async def map_client_errors(url: str, method: str = "GET") -> AsyncIterator[None
     except aiohttp.ClientPayloadError as exc:
         raise TransientError(f"{method} {url}: body cut short ({exc})", url=url) from exc
     except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+        own = _own_cause(exc)
+        if own is not None:  # our request-body generator failed, not the connection
+            raise own from exc
         raise TransientError(f"{method} {url}: connection failed ({exc!r})", url=url) from exc
     except aiohttp.ClientResponseError as exc:
         raise status_error(exc.status, url, method=method) from exc
     except aiohttp.ClientError as exc:
         raise StorageError(f"{method} {url} failed: {exc!r}", url=url) from exc
+
+
+def _own_cause(exc: BaseException) -> StorageError | None:
+    """The asynccache error aiohttp wrapped (e.g. from a streamed request body), if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, StorageError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None

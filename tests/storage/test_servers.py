@@ -86,3 +86,27 @@ def test_backends_do_not_read_process_environment(monkeypatch: pytest.MonkeyPatc
     storage = open_storage("s3://bkt/p", Settings(), aws_env={})
     assert storage.endpoint == "https://s3.us-east-1.amazonaws.com"  # type: ignore[attr-defined]
     assert storage.signer.region == "us-east-1"  # type: ignore[attr-defined]
+
+
+async def test_failed_multipart_upload_is_aborted(
+    objstore: ObjectStore, bucket: str, tmp_path: Path
+) -> None:
+    from asynccache.errors import ObjectNotFoundError, StorageError
+    from asynccache.storage import S3Storage
+    from asynccache.storage.s3_multipart import upload_multipart
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(6 << 20))
+    storage = open_storage(f"s3://{bucket}", Settings(), objstore.storage_options)
+    assert isinstance(storage, S3Storage)
+    storage.part_size = 5 << 20
+    try:
+        with pytest.raises(StorageError, match="shrank"):
+            # Claim more bytes than the file has: the last part fails mid-upload.
+            await upload_multipart(storage, str(src), "big.bin", 11 << 20)
+        with pytest.raises(ObjectNotFoundError):
+            await storage.head("big.bin")
+        pending = await storage.request("GET", None, what=storage.url, query={"uploads": ""})
+        assert b"<UploadId>" not in pending.body  # aborted, nothing left behind
+    finally:
+        await storage.close()
