@@ -101,17 +101,10 @@ async def _stream(
     """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
     pos = cursor[0]
     pieces = storage.iter_range(key, pos, end).__aiter__()
+    watchdog = _StallWatchdog(timeout_s)
     try:
-        while pos < end:
-            try:
-                piece = await asyncio.wait_for(pieces.__anext__(), timeout_s)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError as exc:
-                raise StorageTimeoutError(
-                    f"no bytes from {storage.object_url(key)} for {timeout_s}s at byte {pos}",
-                    url=storage.object_url(key),
-                ) from exc
+        async for piece in pieces:
+            watchdog.progress()
             if len(piece) > end - pos:
                 piece = piece[: end - pos]
             out.pwrite(piece, pos)
@@ -120,8 +113,56 @@ async def _stream(
             pos += len(piece)
             cursor[0] = pos
             stats.bytes += len(piece)
+            if pos >= end:
+                break
+    except asyncio.CancelledError:
+        if not watchdog.fired:
+            raise
+        watchdog.uncancel()
+        raise StorageTimeoutError(
+            f"no bytes from {storage.object_url(key)} for {timeout_s}s at byte {pos}",
+            url=storage.object_url(key),
+        ) from None
     finally:
+        watchdog.close()
         await _aclose(pieces)
+
+
+class _StallWatchdog:
+    """Cancels the current task when no progress was reported for ``timeout_s``.
+
+    One timer per ``timeout_s`` rather than one per piece: pieces can be a few KiB, and a
+    ``wait_for`` per piece would cost a task each.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._timeout_s = timeout_s
+        self._last = self._loop.time()
+        self.fired = False
+        self._handle = self._loop.call_later(timeout_s, self._check)
+
+    def progress(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        idle = self._loop.time() - self._last
+        if idle >= self._timeout_s:
+            self.fired = True
+            if self._task is not None:
+                self._task.cancel()
+        else:
+            self._handle = self._loop.call_later(self._timeout_s - idle, self._check)
+
+    def uncancel(self) -> None:
+        """Withdraw our own cancel request (Python 3.11+ counts them)."""
+        uncancel = getattr(self._task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+    def close(self) -> None:
+        self._handle.cancel()
 
 
 async def _aclose(pieces: object) -> None:
