@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
-import aiofiles
-from multidict import CIMultiDictProxy
-
 from ..config import Settings
 from ..errors import ObjectNotFoundError, StorageError
 from .base import ObjectInfo, Storage
-from .errmap import error_code, map_client_errors, status_error
+from .errmap import map_client_errors, status_error
 from .s3_auth import S3Signer
+from .s3_multipart import upload_multipart
+from .s3_wire import NS, S3Response, file_body, parse_xml
 from .transport import (
     SessionHolder,
     check_range,
@@ -37,17 +35,6 @@ __all__ = ["S3Storage"]
 _DEFAULT_THRESHOLD = 64 << 20
 _DEFAULT_PART = 16 << 20
 _MIN_PART = 5 << 20
-_FILE_PIECE = 1 << 20
-_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-
-
-class S3Response:
-    """Status, headers and (small) body of a completed S3 request."""
-
-    def __init__(self, status: int, headers: CIMultiDictProxy[str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
 
 
 class S3Storage(Storage):
@@ -211,15 +198,15 @@ class S3Storage(Storage):
             if token:
                 query["continuation-token"] = token
             resp = await self.request("GET", None, what=self.url, query=query)
-            root = _parse_xml(resp.body, self.url)
-            for item in root.iter(f"{_NS}Contents"):
-                key = item.findtext(f"{_NS}Key") or ""
-                size = int(item.findtext(f"{_NS}Size") or 0)
+            root = parse_xml(resp.body, self.url)
+            for item in root.iter(f"{NS}Contents"):
+                key = item.findtext(f"{NS}Key") or ""
+                size = int(item.findtext(f"{NS}Size") or 0)
                 if key.endswith("/") and size == 0:
                     continue  # directory marker some stores create
-                out.append(ObjectInfo(key=key[strip:], size=size, etag=item.findtext(f"{_NS}ETag")))
-            token = root.findtext(f"{_NS}NextContinuationToken")
-            if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
+                out.append(ObjectInfo(key=key[strip:], size=size, etag=item.findtext(f"{NS}ETag")))
+            token = root.findtext(f"{NS}NextContinuationToken")
+            if root.findtext(f"{NS}IsTruncated") != "true" or not token:
                 return out
 
     async def _upload_impl(self, src: str, key: str) -> int:
@@ -230,8 +217,6 @@ class S3Storage(Storage):
                 f"cannot upload {src}: {exc.strerror}", url=self.object_url(key)
             ) from exc
         if size >= self.multipart_threshold:
-            from .s3_multipart import upload_multipart
-
             await upload_multipart(self, src, key, size)
             return size
         await self.request(
@@ -259,23 +244,3 @@ class S3Storage(Storage):
     def session_holder(self) -> SessionHolder:
         """The session owner (exposes ``verify`` and ``ssl_mode`` for inspection)."""
         return self._sessions
-
-
-async def file_body(path: str, offset: int, length: int) -> AsyncIterator[bytes]:
-    """Stream ``length`` bytes of ``path`` from ``offset`` without blocking the loop."""
-    async with aiofiles.open(path, "rb") as f:
-        await f.seek(offset)
-        remaining = length
-        while remaining > 0:
-            piece = await f.read(min(_FILE_PIECE, remaining))
-            if not piece:
-                raise StorageError(f"{path} shrank while uploading it")
-            remaining -= len(piece)
-            yield piece
-
-
-def _parse_xml(body: bytes, url: str) -> ET.Element:
-    try:
-        return ET.fromstring(body)
-    except ET.ParseError as exc:
-        raise StorageError(f"malformed XML from {url}: {error_code(body) or exc}", url=url) from exc

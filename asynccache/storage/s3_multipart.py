@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
 from ..errors import StorageError
+from .s3_wire import NS, file_body, parse_xml
 
 if TYPE_CHECKING:
     from .s3 import S3Storage
@@ -21,11 +22,9 @@ __all__ = ["upload_multipart"]
 
 async def upload_multipart(storage: S3Storage, src: str, key: str, size: int) -> None:
     """Upload ``src`` (``size`` bytes) to ``key`` in ``storage.part_size`` parts."""
-    from .s3 import _NS, _parse_xml, file_body
-
     url = storage.object_url(key)
     resp = await storage.request("POST", key, what=url, query={"uploads": ""})
-    upload_id = _parse_xml(resp.body, url).findtext(f"{_NS}UploadId")
+    upload_id = parse_xml(resp.body, url).findtext(f"{NS}UploadId")
     if not upload_id:
         raise StorageError(f"CreateMultipartUpload for {url} returned no UploadId", url=url)
     part_size = storage.part_size
@@ -58,7 +57,7 @@ async def upload_multipart(storage: S3Storage, src: str, key: str, size: int) ->
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        root = ET.Element("CompleteMultipartUpload", xmlns=_NS.strip("{}"))
+        root = ET.Element("CompleteMultipartUpload", xmlns=NS.strip("{}"))
         for number in sorted(etags):
             part_el = ET.SubElement(root, "Part")
             ET.SubElement(part_el, "PartNumber").text = str(number)
