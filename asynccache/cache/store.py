@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 
 from ..errors import CacheError
@@ -36,6 +37,8 @@ class ChunkStore:
         * LRU order is shared across processes through file mtimes, touched on every pin.
         * Pins are counted per process in memory; the kernel drops the flocks of a dead
           process, so nothing on disk needs cleaning after a crash.
+        * A forked child starts with no pins: it closes its inherited copies of the
+          parent's pin descriptors (the parent's pins stay in force).
 
     Args:
         root: this dataset's directory (see :func:`.layout.dataset_dir`).
@@ -69,6 +72,7 @@ class ChunkStore:
             (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise cache_error(exc, self.root) from exc
+        _STORES.add(self)
         swept = sweep_orphans(self.root)
         if swept:
             log.info("asynccache: removed %d orphaned temporary files in %s", len(swept), root)
@@ -242,6 +246,25 @@ class ChunkStore:
             pins, self._pins = self._pins, {}
         for fd, _ in pins.values():
             os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        self._mu = threading.Lock()
+        self._amutex = None
+        pins, self._pins = self._pins, {}
+        for fd, _ in pins.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_STORES: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
+
+
+def _reset_stores_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_stores_in_child)
 
 
 def _touch(path: str) -> None:

@@ -158,3 +158,34 @@ async def test_cancelled_lock_wait_leaks_nothing(tmp_path) -> None:
     assert len(os.listdir("/proc/self/fd")) <= fds_before - 1
     async with FileLock(path, timeout=1):
         pass
+
+
+def test_forked_child_drops_inherited_pins(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
+    _publish(store, "a.bin", b"x" * 100)
+    assert store.pin("a.bin")
+    pid = os.fork()
+    if pid == 0:  # child: no pins of its own; the parent's pin still holds
+        code = 0 if store.pinned() == {} else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.pinned() == {"a.bin": 1}
+    other = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
+    assert asyncio.run(other.make_room(100)) == 0  # still pinned by us
+    store.unpin("a.bin")
+    assert asyncio.run(other.make_room(100)) == 100
+
+
+async def test_unpin_trims_a_cache_left_over_budget_by_pins(tmp_path) -> None:
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=200)
+    for name in ["a.bin", "b.bin"]:
+        _publish(store, name, b"x" * 100)
+        assert store.pin(name)
+    tmp = await store.reserve("c.bin", 100)  # nothing evictable: over budget by 100
+    tmp.pwrite(b"y" * 100, 0)
+    tmp.publish()
+    assert store.used_bytes() == 300
+    store.unpin("a.bin")
+    assert store.used_bytes() == 200 and not store.is_cached("a.bin")
+    store.unpin("b.bin")
