@@ -316,13 +316,13 @@ class CacheDataLoader:
                 "a dataset that fills its own Cache can't be resumed mid-epoch; pass the "
                 "cache directory to CacheDataLoader instead to stream it resumably"
             )
-        if not self._writing and (self._stream is not None or not self._must_write()):
+        if not self._writing and not self._must_write():
             ds = self._streaming()
-            received = self._batches * self.batch_size
-            if self._batches or self._current == self._epoch - 1:
-                received = min(received, ds._plan(world, max(1, self.num_workers)).rank_samples)
+            nw = max(1, self.num_workers)
+            ds.batch_size, ds.num_workers = self.batch_size, nw
+            received = min(self._batches * self.batch_size, len(ds))
             state["stream"] = ds.state_dict(
-                received=received, num_workers=max(1, self.num_workers), batch_size=self.batch_size
+                received=received, num_workers=nw, batch_size=self.batch_size
             )
         return state
 

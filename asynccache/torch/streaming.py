@@ -13,8 +13,8 @@ from torch.utils.data import IterableDataset
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..reader import Reader
-from ..sampling import EpochOrder, Plan, consumed_to_remaining, plan
-from ..sampling.partition import Interval
+from ..sampling import EpochOrder, Plan, Segment, consumed_to_remaining, plan
+from ..sampling.partition import Interval, received_per_worker
 from ..source import DatasetSource
 from . import distributed
 
@@ -22,16 +22,59 @@ STATE_VERSION = 1
 _BLOCK = 512  # positions materialised at a time; bounds memory per worker
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Progress:
-    """Where an epoch stands: the plan it runs and how much its consumer received."""
+    """Where an epoch stands: the plan it runs and how much of it was already received.
+
+    ``remaining`` (None: the whole epoch) is split for ``(world, num_workers,
+    batch_size)``; each rank's consumer has received the first ``received`` samples of
+    its share. Continuing with the same configuration keeps the exact order; with another
+    one, what is left is split anew (see :func:`consumed_to_remaining`).
+    """
 
     epoch: int = 0
-    remaining: list[Interval] | None = None  # None: the whole epoch
+    remaining: tuple[Interval, ...] | None = None
     world: int = 1
     num_workers: int = 1
     batch_size: int = 1
     received: int = 0
+
+    def base(self, total: int) -> list[Interval]:
+        if self.remaining is not None:
+            return list(self.remaining)
+        return [(0, total)] if total else []
+
+    def adapted(
+        self, world: int, num_workers: int, batch_size: int, total: int, drop_last: bool
+    ) -> _Progress:
+        """The same position, expressed for this configuration."""
+        if self.received == 0:
+            return dataclasses.replace(
+                self, world=world, num_workers=num_workers, batch_size=batch_size
+            )
+        if (world, num_workers, batch_size) == (self.world, self.num_workers, self.batch_size):
+            return self
+        rest = consumed_to_remaining(
+            self.base(total),
+            world=self.world,
+            num_workers=self.num_workers,
+            batch_size=self.batch_size,
+            drop_last=drop_last,
+            received=self.received,
+        )
+        return _Progress(self.epoch, tuple(rest), world, num_workers, batch_size, 0)
+
+
+def _drop(segments: tuple[Segment, ...], n: int) -> list[Segment]:
+    """``segments`` without their first ``n`` positions."""
+    out = []
+    for seg in segments:
+        if n >= len(seg):
+            n -= len(seg)
+            continue
+        out.append(Segment(seg.start + n, seg.end, seg.pad))
+        n = 0
+    return out
 
 
 class StreamingDataset(IterableDataset[Any]):
@@ -119,7 +162,9 @@ class StreamingDataset(IterableDataset[Any]):
         return self.index.total_items
 
     def __len__(self) -> int:
-        return self._plan(distributed.current()).rank_samples
+        """Samples this rank yields in the (rest of the) current epoch."""
+        pr, p = self._plan(distributed.current(self.num_workers))
+        return p.rank_samples - pr.received
 
     def __getitem__(self, key: int) -> Any:
         item = self._reader[int(key)]
@@ -128,26 +173,26 @@ class StreamingDataset(IterableDataset[Any]):
     # -- epochs --------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (drops a partially resumed one)."""
-        if epoch != self._progress.epoch or self._progress.remaining is not None:
-            self._progress = _Progress(epoch=epoch)
+        self._progress = _Progress(epoch=epoch)
 
     @property
     def epoch(self) -> int:
         return self._progress.epoch
 
-    def _plan(self, world: distributed.World, num_workers: int | None = None) -> Plan:
-        remaining = self._progress.remaining
-        if remaining is None:
-            remaining = [(0, self.num_items)] if self.num_items else []
-        workers = num_workers or self.num_workers or world.num_workers
-        return plan(
-            remaining,
+    def _plan(self, world: distributed.World) -> tuple[_Progress, Plan]:
+        workers = max(1, self.num_workers or world.num_workers)
+        pr = self._progress.adapted(
+            world.world_size, workers, self.batch_size, self.num_items, self.drop_last
+        )
+        p = plan(
+            pr.base(self.num_items),
             world=world.world_size,
             rank=world.rank,
-            num_workers=max(1, workers),
+            num_workers=workers,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
         )
+        return pr, p
 
     def _order(self) -> EpochOrder:
         return EpochOrder(
@@ -161,8 +206,14 @@ class StreamingDataset(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         world = distributed.current(self.num_workers)
-        p = self._plan(world, world.num_workers)
-        segments = p.workers[world.worker]
+        pr, p = self._plan(world)
+        # Continuing a plan: batch p of the rank comes from logical worker p mod W, and a
+        # DataLoader starts its round robin at worker 0, so worker j plays logical worker
+        # (batches received + j) mod W, skipping what the consumer already has of it.
+        nw = pr.num_workers
+        logical = (pr.received // pr.batch_size + world.worker) % nw
+        skip = received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received)[logical]
+        segments = _drop(p.workers[logical], skip)
         order = self._order()
         self._yielded = 0
         try:
@@ -205,16 +256,21 @@ class StreamingDataset(IterableDataset[Any]):
     ) -> dict[str, Any]:
         """Where this epoch stands, in constant size (no per-sample lists).
 
-        ``received``: samples this rank's consumer received this epoch (``CacheDataLoader``
-        passes it; iterating the dataset directly counts what it yielded).
+        Args:
+            received: samples this rank's consumer received since this epoch (or its
+                resumed part) started; ``CacheDataLoader`` passes it. Iterating the
+                dataset directly, it counts what it yielded itself.
+            num_workers, batch_size: how the consumer's DataLoader was set up.
         """
+        if received is None:  # iterated directly: one worker, one sample at a time
+            num_workers, batch_size, received = 1, 1, self._yielded
         world = distributed.current(num_workers)
-        direct = received is None
-        pr = self._progress
-        remaining = (
-            pr.remaining
-            if pr.remaining is not None
-            else ([(0, self.num_items)] if self.num_items else [])
+        pr = self._progress.adapted(
+            world.world_size,
+            max(1, num_workers or world.num_workers),
+            batch_size or self.batch_size,
+            self.num_items,
+            self.drop_last,
         )
         return {
             "version": STATE_VERSION,
@@ -224,11 +280,11 @@ class StreamingDataset(IterableDataset[Any]):
             "shuffle_window": self.shuffle_window,
             "drop_last": self.drop_last,
             "epoch": pr.epoch,
-            "remaining": [list(r) for r in remaining],
-            "world": world.world_size,
-            "num_workers": 1 if direct else max(1, num_workers or world.num_workers),
-            "batch_size": 1 if direct else (batch_size or self.batch_size),
-            "received": self._yielded if direct else int(received or 0),
+            "remaining": [list(r) for r in pr.base(self.num_items)],
+            "world": pr.world,
+            "num_workers": pr.num_workers,
+            "batch_size": pr.batch_size,
+            "received": pr.received + int(received),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,10 +296,7 @@ class StreamingDataset(IterableDataset[Any]):
             ResumeStateError: the state belongs to another dataset, seed or shuffle setting.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ResumeStateError(
-                f"not a StreamingDataset state (version "
-                f"{state.get('version') if isinstance(state, dict) else '?'})"
-            )
+            raise ResumeStateError("not a StreamingDataset state")
         for key, mine in (
             ("dataset", self.index.checksum),
             ("seed", self.seed),
@@ -256,18 +309,24 @@ class StreamingDataset(IterableDataset[Any]):
                     f"{self.source.url}: the state was saved with {key}={state.get(key)!r}, "
                     f"this dataset has {key}={mine!r}; it can't continue that epoch"
                 )
-        remaining = [(int(a), int(b)) for a, b in state["remaining"]]
-        args = {
-            "world": int(state["world"]),
-            "num_workers": int(state["num_workers"]),
-            "batch_size": int(state["batch_size"]),
-            "drop_last": self.drop_last,
-        }
-        rest = consumed_to_remaining(remaining, received=int(state["received"]), **args)
-        if rest:
-            self._progress = _Progress(epoch=int(state["epoch"]), remaining=rest)
-        else:  # the epoch was complete: the next one starts from its beginning
-            self._progress = _Progress(epoch=int(state["epoch"]) + 1)
+        pr = _Progress(
+            epoch=int(state["epoch"]),
+            remaining=tuple((int(a), int(b)) for a, b in state["remaining"]),
+            world=int(state["world"]),
+            num_workers=int(state["num_workers"]),
+            batch_size=int(state["batch_size"]),
+            received=int(state["received"]),
+        )
+        rest = consumed_to_remaining(
+            pr.base(self.num_items),
+            world=pr.world,
+            num_workers=pr.num_workers,
+            batch_size=pr.batch_size,
+            drop_last=self.drop_last,
+            received=pr.received,
+        )
+        # An epoch whose consumer got everything continues with the next epoch.
+        self._progress = pr if rest else _Progress(epoch=pr.epoch + 1)
 
     def __repr__(self) -> str:
         return (
