@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -160,7 +161,7 @@ class Downloader:
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
             )
             self._inflight[spec.name] = task
-            task.add_done_callback(lambda t, name=spec.name: self._done(name, t))
+            task.add_done_callback(functools.partial(self._done, spec.name))
         return task
 
     def _done(self, name: str, task: asyncio.Task[str]) -> None:
