@@ -10,10 +10,12 @@ import os
 import threading
 import weakref
 from pathlib import Path
+from typing import Any
 
+from ..config import Settings
 from ..errors import CacheError
 from .eviction import Entry, select_victims
-from .layout import LOCK_DIR, TempFile, cache_error, is_temp_name, sweep_orphans
+from .layout import LOCK_DIR, TempFile, cache_error, dataset_dir, is_temp_name, sweep_orphans
 from .locks import FileLock, try_lock, wait_lock
 
 __all__ = ["ChunkStore"]
@@ -76,6 +78,18 @@ class ChunkStore:
         swept = sweep_orphans(self.root)
         if swept:
             log.info("asynccache: removed %d orphaned temporary files in %s", len(swept), root)
+
+    @classmethod
+    def for_dataset(
+        cls, settings: Settings, source_url: str, index_checksum: str, **kwargs: Any
+    ) -> ChunkStore:
+        """The store of one dataset identity under ``settings.cache_dir``, with its budget."""
+        return cls(
+            dataset_dir(settings.cache_dir, source_url, index_checksum),
+            max_cache_bytes=settings.max_cache_bytes,
+            cache_dir=settings.cache_dir,
+            **kwargs,
+        )
 
     def __repr__(self) -> str:
         return (

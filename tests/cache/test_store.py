@@ -189,3 +189,12 @@ async def test_unpin_trims_a_cache_left_over_budget_by_pins(tmp_path) -> None:
     store.unpin("a.bin")
     assert store.used_bytes() == 200 and not store.is_cached("a.bin")
     store.unpin("b.bin")
+
+
+def test_for_dataset_uses_settings(tmp_path) -> None:
+    from asynccache.config import Settings
+
+    settings = Settings(cache_dir=str(tmp_path), max_cache_bytes=12345)
+    store = ChunkStore.for_dataset(settings, "s3://b/ds", "abcd")
+    assert store.root == dataset_dir(tmp_path, "s3://b/ds", "abcd")
+    assert store.max_cache_bytes == 12345 and store.cache_dir == tmp_path
