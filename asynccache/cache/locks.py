@@ -12,10 +12,35 @@ import errno
 import fcntl
 import os
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..errors import CacheError
 
-__all__ = ["FileLock", "try_lock", "wait_lock"]
+__all__ = ["FileLock", "in_thread", "try_lock", "wait_lock"]
+
+T = TypeVar("T")
+
+_THREAD_FINISH_S = 60.0
+
+
+async def in_thread(
+    fn: Callable[..., T], *args: Any, undo: Callable[[T], object] | None = None
+) -> T:
+    """``fn(*args)`` on a worker thread, never abandoned half-way by a cancellation.
+
+    If the caller is cancelled, this still waits (bounded) for ``fn`` to return before
+    re-raising, so cleanup code never races with it on the same file descriptor; a result
+    nobody will receive is passed to ``undo``.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut], timeout=_THREAD_FINISH_S)
+        if undo is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            undo(fut.result())
+        raise
 
 
 def try_lock(fd: int, exclusive: bool) -> bool:

@@ -16,7 +16,7 @@ from ..config import Settings
 from ..errors import CacheError
 from .eviction import Entry, select_victims
 from .layout import LOCK_DIR, TempFile, cache_error, dataset_dir, is_temp_name, sweep_orphans
-from .locks import FileLock, try_lock, wait_lock
+from .locks import FileLock, in_thread, try_lock, wait_lock
 
 __all__ = ["ChunkStore"]
 
@@ -188,7 +188,7 @@ class ChunkStore:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
             try:
-                return await asyncio.to_thread(self._reserve_locked, name, size)
+                return await in_thread(self._reserve_locked, name, size, undo=TempFile.discard)
             finally:
                 os.close(fd)
 
@@ -214,7 +214,7 @@ class ChunkStore:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
             try:
-                return await asyncio.to_thread(self._evict_locked, incoming)
+                return await in_thread(self._evict_locked, incoming)
             finally:
                 os.close(fd)
 

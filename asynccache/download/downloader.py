@@ -16,6 +16,7 @@ import xxhash
 
 from ..bridge import LoopThread, get_loop_thread
 from ..cache.layout import TempFile
+from ..cache.locks import in_thread
 from ..cache.store import ChunkStore
 from ..config import Settings
 from ..errors import ChecksumMismatchError, ObjectNotFoundError
@@ -187,10 +188,9 @@ class Downloader:
                     tmp = await self.store.reserve(spec.name, size)
                     try:
                         streamed = await self._fill(spec.name, size, tmp, spec.checksum)
-                        await asyncio.to_thread(
-                            _verify_fd, tmp, spec, self.storage.object_url(spec.name), streamed
-                        )
-                        await asyncio.to_thread(tmp.publish)
+                        url = self.storage.object_url(spec.name)
+                        await in_thread(_verify_fd, tmp, spec, url, streamed)
+                        await in_thread(tmp.publish)
                         break
                     except ChecksumMismatchError:
                         tmp.discard()
