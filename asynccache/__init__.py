@@ -1,7 +1,8 @@
 """asynccache: train PyTorch models on datasets that live in object storage."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__
+from .config import Settings
+from .download.stats import DownloadStats
 from .errors import (
     AsyncCacheError,
     AuthError,
@@ -23,8 +24,12 @@ from .errors import (
     UnsafePathError,
     UnsupportedVersionError,
 )
+from .prefetch import prefetch
 from .torch.cache import Cache, CacheNotFilledError
 from .torch.dataloader import CacheDataLoader
+from .torch.fetcher import Fetcher, FetcherStats
+from .torch.streaming import StreamingDataset
+from .upload import UploadSummary, upload
 
 __all__ = [
     "AsyncCacheError",
@@ -39,15 +44,23 @@ __all__ = [
     "ChecksumMismatchError",
     "ConfigError",
     "DataError",
+    "DownloadStats",
+    "Fetcher",
+    "FetcherStats",
     "ObjectNotFoundError",
     "ResumeStateError",
     "RetriesExhaustedError",
     "SerializationError",
+    "Settings",
     "StorageError",
     "StorageTimeoutError",
+    "StreamingDataset",
     "TransientError",
     "TruncatedChunkError",
     "UnsafePathError",
     "UnsupportedVersionError",
+    "UploadSummary",
     "__version__",
+    "prefetch",
+    "upload",
 ]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .errors import BadIndexError, CacheError, ConfigError
 from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
 from .format.index import format_checksum, new_hasher

@@ -8,6 +8,7 @@ back from the chunk files. Each process (rank) sees half of the dataset per epoc
 
 import argparse
 import socket
+import sys
 
 import numpy as np
 import torch
@@ -61,11 +62,12 @@ def run(rank, world_size, port, cache_dir):
         counts = torch.tensor([len(seen), len(set(seen))])
         dist.all_reduce(counts)
         sums.append(round(total, 3))
-        print(
+        line = (
             f"rank {rank} epoch {epoch}: {len(seen)} items, {len(dataloader)} batches, "
-            f"all ranks: {int(counts[0])} items ({'cache' if epoch else 'writing'})",
-            flush=True,
+            f"all ranks: {int(counts[0])} items ({'cache' if epoch else 'writing'})\n"
         )
+        sys.stdout.write(line)  # one write per line: ranks share the terminal
+        sys.stdout.flush()
     assert sums[0] == sums[1], f"rank {rank}: epoch 2 from the cache differs from epoch 1"
     dist.destroy_process_group()
 

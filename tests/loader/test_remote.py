@@ -72,3 +72,15 @@ def test_remote_cache_is_read_only(objstore, bucket, tmp_path):
                   storage_options=objstore.storage_options)
     with pytest.raises(ConfigError, match="upload"):
         cache[0] = 1
+
+
+def test_prefetch_warms_the_cache_then_only_hits(written, objstore, bucket, tmp_path):
+    from asynccache import prefetch
+
+    url = f"s3://{bucket}/ds"
+    upload(written, url, objstore.storage_options, settings=_quiet())
+    first = prefetch(url, tmp_path / "cc", objstore.storage_options, settings=_quiet())
+    n = len(Cache(written).index.chunks)
+    assert first.chunks_fetched == n and first.bytes > 0
+    again = prefetch(url, tmp_path / "cc", objstore.storage_options, settings=_quiet())
+    assert again.chunks_fetched == 0 and again.hits == n
