@@ -31,14 +31,16 @@ def prefetch(
         ObjectNotFoundError, AuthError, RetriesExhaustedError, CacheError: naming the URL
             or the cache directory.
     """
-    source = DatasetSource(url, cache_dir=cache_dir, storage_options=storage_options,
-                           settings=settings)
+    source = DatasetSource(
+        url, cache_dir=cache_dir, storage_options=storage_options, settings=settings
+    )
     if not source.remote:
         return DownloadStats()
     dl = source.downloader()
     specs = [source.spec(ci) for ci in range(len(source.index.chunks))]
-    return prefetch_dataset(dl.storage, dl.store, specs, source.settings,
-                            progress=source.settings.progress and _tty())
+    return prefetch_dataset(
+        dl.storage, dl.store, specs, source.settings, progress=source.settings.progress and _tty()
+    )
 
 
 def _tty() -> bool:

@@ -105,7 +105,11 @@ def test_shuffle_is_seeded_per_epoch_and_identical_when_writing(tmp_path):
     assert a[0] != c[0], "seeds differ"
     assert all(sorted(o) == list(range(40)) for o in a)
     dl = CacheDataLoader(
-        DictDataset(40), cache_dir=tmp_path / "a", shuffle=True, seed=1, batch_size=8,
+        DictDataset(40),
+        cache_dir=tmp_path / "a",
+        shuffle=True,
+        seed=1,
+        batch_size=8,
         num_workers=2,
     )
     dl.set_epoch(1)

@@ -17,8 +17,7 @@ from tests.loader.datasets import DictDataset
 @pytest.fixture
 def written(tmp_path):
     src = tmp_path / "src"
-    list(CacheDataLoader(DictDataset(41), cache_dir=src, chunk_size=6, batch_size=8,
-                         num_workers=2))
+    list(CacheDataLoader(DictDataset(41), cache_dir=src, chunk_size=6, batch_size=8, num_workers=2))
     return src
 
 
@@ -36,8 +35,13 @@ def test_cache_reads_every_item_from_s3(written, objstore, bucket, tmp_path):
         assert_same(ds[i], cache[i])
     fetched = cache.source.stats
     assert fetched.chunks_fetched == len(cache.index.chunks)  # each chunk exactly once
-    cached = [f for d in os.listdir(tmp_path / "cc") if os.path.isdir(tmp_path / "cc" / d)
-              for f in os.listdir(tmp_path / "cc" / d) if f.endswith(".bin")]
+    cached = [
+        f
+        for d in os.listdir(tmp_path / "cc")
+        if os.path.isdir(tmp_path / "cc" / d)
+        for f in os.listdir(tmp_path / "cc" / d)
+        if f.endswith(".bin")
+    ]
     assert sorted(cached) == sorted(c.filename for c in cache.index.chunks)
 
 
@@ -60,16 +64,16 @@ def test_cache_reads_from_http(written, http_origin, tmp_path):
 
 
 def test_missing_remote_dataset_is_not_filled(objstore, bucket, tmp_path):
-    cache = Cache(f"s3://{bucket}/nothing", cache_dir=tmp_path,
-                  storage_options=objstore.storage_options)
+    cache = Cache(
+        f"s3://{bucket}/nothing", cache_dir=tmp_path, storage_options=objstore.storage_options
+    )
     assert not cache.filled
     with pytest.raises(ObjectNotFoundError, match="nothing/index.json"):
         cache[0]
 
 
 def test_remote_cache_is_read_only(objstore, bucket, tmp_path):
-    cache = Cache(f"s3://{bucket}/x", cache_dir=tmp_path,
-                  storage_options=objstore.storage_options)
+    cache = Cache(f"s3://{bucket}/x", cache_dir=tmp_path, storage_options=objstore.storage_options)
     with pytest.raises(ConfigError, match="upload"):
         cache[0] = 1
 

@@ -95,8 +95,9 @@ def test_state_is_constant_size(written):
     assert abs(len(small) - len(large)) < 64
 
 
-@pytest.mark.parametrize(("change", "match"), [({"seed": 6}, "seed"),
-                                               ({"shuffle": False}, "shuffle")])
+@pytest.mark.parametrize(
+    ("change", "match"), [({"seed": 6}, "seed"), ({"shuffle": False}, "shuffle")]
+)
 def test_state_from_another_setting_is_refused(written, change, match):
     _, state = run(loader(written), stop=2)
     with pytest.raises(ResumeStateError, match=match):
@@ -112,17 +113,36 @@ def test_state_from_another_dataset_is_refused(written, tmp_path):
 
 def test_the_writing_epoch_resumes_exactly(tmp_path):
     def make():
-        return CacheDataLoader(DictDataset(30), cache_dir=tmp_path, chunk_size=4,
-                               batch_size=3, num_workers=2, shuffle=True, seed=1)
+        return CacheDataLoader(
+            DictDataset(30),
+            cache_dir=tmp_path,
+            chunk_size=4,
+            batch_size=3,
+            num_workers=2,
+            shuffle=True,
+            seed=1,
+        )
 
-    reference = torch.cat([b["i"] for b in CacheDataLoader(
-        DictDataset(30), cache_dir=tmp_path / "ref", chunk_size=4, batch_size=3,
-        num_workers=2, shuffle=True, seed=1)]).tolist()
+    reference = torch.cat(
+        [
+            b["i"]
+            for b in CacheDataLoader(
+                DictDataset(30),
+                cache_dir=tmp_path / "ref",
+                chunk_size=4,
+                batch_size=3,
+                num_workers=2,
+                shuffle=True,
+                seed=1,
+            )
+        ]
+    ).tolist()
     pre, state = run(make(), stop=4)
     assert state["writing"] and not (tmp_path / "index.json").exists()
     post, _ = run(make(), state=state)
     assert pre + post == reference
     assert (tmp_path / "index.json").exists()
     with pytest.raises(ResumeStateError, match="same"):
-        CacheDataLoader(DictDataset(30), cache_dir=tmp_path / "other", batch_size=3,
-                        num_workers=1).load_state_dict(state)
+        CacheDataLoader(
+            DictDataset(30), cache_dir=tmp_path / "other", batch_size=3, num_workers=1
+        ).load_state_dict(state)

@@ -28,14 +28,18 @@ def receive_order(remaining, *, world, rank, W, B, drop_last):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    n=st.integers(0, 120), world=st.integers(1, 4), W=st.integers(1, 3), B=st.integers(1, 7),
+    n=st.integers(0, 120),
+    world=st.integers(1, 4),
+    W=st.integers(1, 3),
+    B=st.integers(1, 7),
     drop_last=st.booleans(),
 )
 def test_each_sample_once_and_ranks_equal(n, world, W, B, drop_last):
     seen, lengths = [], set()
     for rank in range(world):
-        batches, n_rank = receive_order([(0, n)] if n else [], world=world, rank=rank, W=W, B=B,
-                                        drop_last=drop_last)
+        batches, n_rank = receive_order(
+            [(0, n)] if n else [], world=world, rank=rank, W=W, B=B, drop_last=drop_last
+        )
         flat = [x for b in batches for x in b]
         assert len(flat) == n_rank
         assert all(len(b) == B for b in batches[:-1])
@@ -55,15 +59,16 @@ def test_each_sample_once_and_ranks_equal(n, world, W, B, drop_last):
 )
 def test_resume_after_world_and_worker_change_is_exact(n, old, new, stop):
     world, W, B = old
-    batches, n_rank = receive_order([(0, n)], world=world, rank=0, W=W, B=B, drop_last=False)
-    k = int(round(stop * len(batches)))
+    batches, _ = receive_order([(0, n)], world=world, rank=0, W=W, B=B, drop_last=False)
+    k = round(stop * len(batches))
     received = sum(len(b) for b in batches[:k])
     pre = []
     for rank in range(world):
         bs, _ = receive_order([(0, n)], world=world, rank=rank, W=W, B=B, drop_last=False)
         pre += [pos for b in bs[:k] for pos, pad in b if not pad]
-    rest = consumed_to_remaining([(0, n)], world=world, num_workers=W, batch_size=B,
-                                 drop_last=False, received=received)
+    rest = consumed_to_remaining(
+        [(0, n)], world=world, num_workers=W, batch_size=B, drop_last=False, received=received
+    )
     post = []
     for rank in range(new[0]):
         bs, _ = receive_order(rest, world=new[0], rank=rank, W=new[1], B=B, drop_last=False)
@@ -82,8 +87,9 @@ def test_resuming_twice_composes():
         for rank in range(world):
             bs, _ = receive_order(rest, world=world, rank=rank, W=W, B=B, drop_last=False)
             got += [pos for b in bs[:k] for pos, pad in b if not pad]
-        rest = consumed_to_remaining(rest, world=world, num_workers=W, batch_size=B,
-                                     drop_last=False, received=k * B)
+        rest = consumed_to_remaining(
+            rest, world=world, num_workers=W, batch_size=B, drop_last=False, received=k * B
+        )
     for rank in range(2):
         bs, _ = receive_order(rest, world=2, rank=rank, W=2, B=B, drop_last=False)
         got += [pos for b in bs for pos, pad in b if not pad]
@@ -92,8 +98,7 @@ def test_resuming_twice_composes():
 
 def test_workers_read_contiguous_runs():
     p = plan([(0, 1000)], world=2, rank=1, num_workers=2, batch_size=10, drop_last=False)
-    assert [[(s.start, s.end) for s in segs] for segs in p.workers] == [[(500, 750)],
-                                                                       [(750, 1000)]]
+    assert [[(s.start, s.end) for s in segs] for segs in p.workers] == [[(500, 750)], [(750, 1000)]]
 
 
 def chunk_keys(sizes):
@@ -107,14 +112,20 @@ def chunk_keys(sizes):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_epoch_order_is_a_deterministic_permutation(shuffle):
     keys = chunk_keys([10, 7, 13, 10, 5, 9])
-    a = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2)
-    b = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2)
+    a = EpochOrder(
+        [len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2
+    )
+    b = EpochOrder(
+        [len(k) for k in keys], keys.__getitem__, seed=1, epoch=0, shuffle=shuffle, window=2
+    )
     whole = a.keys(0, len(a))
     assert sorted(whole.tolist()) == list(range(54))
     assert whole.tolist() == b.keys(0, 54).tolist()
     pieces = np.concatenate([a.keys(i, min(i + 5, 54)) for i in range(0, 54, 5)])
     assert pieces.tolist() == whole.tolist(), "ranges agree with the whole"
-    c = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=1, epoch=1, shuffle=shuffle, window=2).keys(0, 54)
+    c = EpochOrder(
+        [len(k) for k in keys], keys.__getitem__, seed=1, epoch=1, shuffle=shuffle, window=2
+    ).keys(0, 54)
     assert (c.tolist() != whole.tolist()) == shuffle
 
 
@@ -125,7 +136,9 @@ def same_chunk_neighbours(order, size):
 def test_shuffle_mixes_across_chunks_better_than_within_chunk_shuffle():
     size, chunks = 100, 40
     keys = chunk_keys([size] * chunks)
-    ours = EpochOrder([len(k) for k in keys], keys.__getitem__, seed=0, epoch=0, shuffle=True, window=4).keys(0, size * chunks)
+    ours = EpochOrder(
+        [len(k) for k in keys], keys.__getitem__, seed=0, epoch=0, shuffle=True, window=4
+    ).keys(0, size * chunks)
     rng = np.random.default_rng(0)
     within = np.concatenate([rng.permutation(k) for k in rng.permutation(keys)])
     a, b = same_chunk_neighbours(ours, size), same_chunk_neighbours(within, size)
