@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import shutil
 import statistics
@@ -124,14 +125,16 @@ def main() -> None:
                         ours[durable].append(
                             _ours(storage, specs, settings, work, f"{chunk_mib}/{rep}", durable)
                         )
+                disk = _disk_limit(work, specs, blob, settings.max_concurrency)
                 b = statistics.median(bare)
                 o = statistics.median(ours[True])
                 f = statistics.median(ours[False])
-                rows.append((chunk_mib, len(specs), b, o, f))
+                rows.append((chunk_mib, len(specs), b, o, f, disk))
                 print(
                     f"chunk {chunk_mib:>4} MiB x {len(specs):>3}: bare {b / 1e6:8.1f} MB/s  "
                     f"asynccache {o / 1e6:8.1f} MB/s (ratio {o / b:.2f}), "
-                    f"without fsync {f / 1e6:8.1f} MB/s (ratio {f / b:.2f})",
+                    f"without fsync {f / 1e6:8.1f} MB/s (ratio {f / b:.2f}), "
+                    f"disk write+fsync limit {disk / 1e6:8.1f} MB/s",
                     flush=True,
                 )
                 lt.call(_delete_all(storage, specs), 600)
@@ -144,14 +147,40 @@ def main() -> None:
     )
     print(
         "| chunk | chunks | bare aiohttp GET MB/s | asynccache MB/s | ratio "
-        "| asynccache, no fsync MB/s | ratio |"
+        "| asynccache, no fsync MB/s | ratio | disk write+fsync MB/s |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for chunk_mib, n, b, o, f in rows:
+    print("|---|---|---|---|---|---|---|---|")
+    for chunk_mib, n, b, o, f, disk in rows:
         print(
             f"| {chunk_mib} MiB | {n} | {b / 1e6:.0f} | {o / 1e6:.0f} | {o / b:.2f} "
-            f"| {f / 1e6:.0f} | {f / b:.2f} |"
+            f"| {f / 1e6:.0f} | {f / b:.2f} | {disk / 1e6:.0f} |"
         )
+
+
+def _disk_limit(work: Path, specs: list[ChunkSpec], blob: bytes, threads: int) -> float:
+    """Writing the same bytes to new files with fsync, no network: the local disk's limit."""
+    out = work / "disk"
+    out.mkdir()
+    view = memoryview(blob)
+
+    def write(i: int, spec: ChunkSpec) -> None:
+        size = spec.size or 0
+        fd = os.open(out / spec.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pos = 0
+            while pos < size:
+                n = min(size - pos, len(view), 8 << 20)
+                pos += os.pwrite(fd, view[:n], pos)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bench-disk") as ex:
+        list(ex.map(write, range(len(specs)), specs))
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return sum(s.size or 0 for s in specs) / elapsed
 
 
 def _ours(storage, specs, settings, work: Path, tag: str, durable: bool) -> float:
