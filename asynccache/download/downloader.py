@@ -9,7 +9,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import xxhash
@@ -330,8 +330,3 @@ def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:
             raise ChecksumMismatchError(f"{url}: xxh3_64 differs from the index")
     finally:
         os.close(fd)
-
-
-def specs_total(specs: Sequence[ChunkSpec]) -> int:
-    """Sum of the known sizes."""
-    return sum(s.size or 0 for s in specs)
