@@ -122,6 +122,26 @@ class Settings:
         return {k: v for k, v in env.items() if k.startswith("AWS_")}
 
 
+def launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` set by a launcher such as torchrun, or None when unset.
+
+    Raises:
+        ConfigError: either is not an integer, or the rank is outside the world.
+    """
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank, world = int(env.get("RANK", "0")), int(env["WORLD_SIZE"])
+    except ValueError as exc:
+        raise ConfigError(
+            f"RANK={env.get('RANK')!r} / WORLD_SIZE={env.get('WORLD_SIZE')!r} must be integers"
+        ) from exc
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return rank, world
+
+
 def _var(name: str) -> str:
     return PREFIX + name.upper()
 

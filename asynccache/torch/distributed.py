@@ -7,6 +7,8 @@ import dataclasses
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
+from ..config import launch_env
+
 
 @dataclasses.dataclass(frozen=True)
 class World:
@@ -21,16 +23,28 @@ class World:
         return self.rank * self.num_workers + self.worker
 
 
-def current(num_workers: int | None = None) -> World:
+def rank_and_world() -> tuple[int, int]:
+    """From ``torch.distributed`` when initialised, else ``RANK``/``WORLD_SIZE``, else (0, 1).
+
+    DataLoader worker processes don't see the parent's process group: datasets capture
+    this in the main process (see ``current(..., captured=...)``).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return launch_env() or (0, 1)
+
+
+def current(num_workers: int | None = None, captured: tuple[int, int] | None = None) -> World:
     """This process's place. ``num_workers`` is the loader's count when called outside one.
 
-    Rank and world size come from ``torch.distributed`` when it is initialised, else a
-    single process is assumed.
+    Inside a DataLoader worker, ``captured`` (the rank and world size the main process
+    saw) wins over what the worker can see itself.
     """
-    rank, size = 0, 1
-    if dist.is_available() and dist.is_initialized():
-        rank, size = dist.get_rank(), dist.get_world_size()
     info = get_worker_info()
+    if info is not None and captured is not None:
+        rank, size = captured
+    else:
+        rank, size = rank_and_world()
     if info is not None:
         return World(rank, size, info.id, info.num_workers)
     return World(rank, size, 0, max(1, num_workers or 1))

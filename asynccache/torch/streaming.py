@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
@@ -155,6 +155,12 @@ class StreamingDataset(IterableDataset[Any]):
             max_open=shuffle_window + 2,
         )
         self._yielded = 0
+        self._rank_world = distributed.rank_and_world()
+
+    def _world(self, num_workers: int | None = None) -> distributed.World:
+        if get_worker_info() is None:  # the main process sees the process group
+            self._rank_world = distributed.rank_and_world()
+        return distributed.current(num_workers or self.num_workers, captured=self._rank_world)
 
     # -- size and random access ----------------------------------------------------
     @property
@@ -163,7 +169,7 @@ class StreamingDataset(IterableDataset[Any]):
 
     def __len__(self) -> int:
         """Samples this rank yields in the (rest of the) current epoch."""
-        pr, p = self._plan(distributed.current(self.num_workers))
+        pr, p = self._plan(self._world())
         return p.rank_samples - pr.received
 
     def __getitem__(self, key: int) -> Any:
@@ -174,6 +180,7 @@ class StreamingDataset(IterableDataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (drops a partially resumed one)."""
         self._progress = _Progress(epoch=epoch)
+        self._world()  # capture rank and world size for the DataLoader workers
 
     @property
     def epoch(self) -> int:
@@ -205,7 +212,7 @@ class StreamingDataset(IterableDataset[Any]):
         )
 
     def __iter__(self) -> Iterator[Any]:
-        world = distributed.current(self.num_workers)
+        world = self._world()
         pr, p = self._plan(world)
         # Continuing a plan: batch p of the rank comes from logical worker p mod W, and a
         # DataLoader starts its round robin at worker 0, so worker j plays logical worker
@@ -264,7 +271,7 @@ class StreamingDataset(IterableDataset[Any]):
         """
         if received is None:  # iterated directly: one worker, one sample at a time
             num_workers, batch_size, received = 1, 1, self._yielded
-        world = distributed.current(num_workers)
+        world = self._world(num_workers)
         pr = self._progress.adapted(
             world.world_size,
             max(1, num_workers or world.num_workers),
