@@ -28,7 +28,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 demo: install
-	$(PY) examples/demo.py
+	$(PY) examples/train_while_downloading.py
 
 bench: install
 	$(PY) benchmarks/run_all.py
