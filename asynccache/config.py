@@ -8,6 +8,7 @@ is the only code in the package that reads ``os.environ``; everything else recei
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -59,7 +60,7 @@ class Settings:
     timeout_s: float = 60.0
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
-    log_level: str = "WARNING"
+    log_level: str | None = None
     progress: bool = True
     verify_tls: bool = True
 
@@ -76,11 +77,17 @@ class Settings:
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
-        if self.log_level.upper() not in _LOG_LEVELS:
-            raise ConfigError(
-                f"{_var('log_level')} must be one of {_LOG_LEVELS}, got {self.log_level!r}"
-            )
-        object.__setattr__(self, "log_level", self.log_level.upper())
+        if self.log_level is not None:
+            if self.log_level.upper() not in _LOG_LEVELS:
+                raise ConfigError(
+                    f"{_var('log_level')} must be one of {_LOG_LEVELS}, got {self.log_level!r}"
+                )
+            object.__setattr__(self, "log_level", self.log_level.upper())
+
+    def configure_logging(self) -> None:
+        """Set the ``asynccache`` logger's level when ``log_level`` is given (else leave it)."""
+        if self.log_level is not None:
+            logging.getLogger("asynccache").setLevel(self.log_level)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

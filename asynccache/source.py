@@ -56,6 +56,7 @@ class DatasetSource:
     ) -> None:
         self.url = os.fspath(url)
         self.settings = settings or Settings.from_env()
+        self.settings.configure_logging()
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else self.settings.cache_dir
         self.storage_options = dict(storage_options or {})
         self.remote = is_remote(self.url)
