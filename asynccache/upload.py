@@ -12,14 +12,14 @@ import asyncio
 import dataclasses
 import os
 import sys
-import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from tqdm import tqdm
 
+from .bridge import get_loop_thread
 from .config import Settings
 from .errors import ConfigError
 from .format import INDEX_NAME
@@ -27,8 +27,13 @@ from .storage import Storage, open_storage
 
 __all__ = ["UploadSummary", "upload", "upload_async"]
 
-T = TypeVar("T")
 _MAX_PARALLEL_FILES = 8
+# Outer bound on one sync ``upload`` call. Every request inside already has its own
+# timeout and retry budget, so the call ends on its own; this bound only guards against
+# a wedged loop. It is not derived from the settings because a healthy upload of a large
+# dataset legitimately takes hours (about 80 TB at 1 GB/s fits in a day). If it is ever
+# reached the upload is cancelled before ``index.json``, and a re-run skips what was sent.
+_UPLOAD_BOUND_S = 24 * 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,9 @@ def upload(
 ) -> UploadSummary:
     """Upload every file of the dataset in ``local_dir`` to ``url``; ``index.json`` last.
 
+    Runs on the process's I/O thread, so it also works when the caller is inside a
+    running event loop (Jupyter).
+
     Args:
         local_dir: a directory written by the writer (holding ``index.json``).
         url: destination root (``s3://bucket/prefix``, a directory, ``file://``).
@@ -68,6 +76,7 @@ def upload(
         ConfigError: ``local_dir`` is not a dataset directory, or a bad URL/option.
         StorageError: the destination refused a file (after which ``index.json`` is
             not uploaded, so the destination stays uncommitted).
+        StorageTimeoutError: the whole call outlived its 24 h outer bound.
     """
     settings = settings if settings is not None else Settings.from_env()
     aws_env = Settings.aws_env()
@@ -76,10 +85,10 @@ def upload(
         storage = open_storage(url, settings, storage_options, aws_env)
         try:
             return await upload_async(storage, local_dir, settings=settings)
-        finally:
+        finally:  # also on cancellation (bound reached, interpreter exit)
             await storage.close()
 
-    return _run_sync(run())
+    return get_loop_thread().call(run(), _UPLOAD_BOUND_S)
 
 
 async def upload_async(
@@ -141,31 +150,3 @@ def _dataset_files(root: Path) -> list[tuple[str, int]]:
             path = Path(dirpath) / name
             out.append((path.relative_to(root).as_posix(), path.stat().st_size))
     return sorted(out)
-
-
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion from sync code.
-
-    Placeholder for the process I/O thread (:mod:`asynccache.bridge`): with no loop
-    running here, ``asyncio.run``; inside a running loop (Jupyter), a fresh loop on a
-    new thread, whose exception is re-raised here. Every request inside has its own
-    timeout, so the join ends.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # relayed to the caller below
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="asynccache-upload", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -1,0 +1,264 @@
+"""The ``asynccache`` command: inspect, verify, upload and prefetch datasets.
+
+Exit codes: 0 success; 1 ``verify`` found bad chunks; 2 the command could not run (bad
+arguments, missing dataset, storage or data error). Errors print as one line
+``asynccache: error: <message>`` on stderr; ``--debug`` adds the traceback. The command
+is a thin face over the library: every check and transfer lives in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from ._version import __version__
+from .errors import AsyncCacheError, ConfigError, DataError, ObjectNotFoundError
+from .format import INDEX_NAME, Index
+from .format.index import VERSION as INDEX_VERSION
+
+__all__ = ["main"]
+
+PROG = "asynccache"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code.
+
+    Args:
+        argv: the arguments after the program name.
+
+    Returns:
+        0 on success, 1 when ``verify`` finds bad chunks, 2 when the command cannot run.
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        result: int = args.func(args)
+        return result
+    except (AsyncCacheError, OSError) as exc:
+        # OSError too: an unreadable directory is a user's problem, not a crash.
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- subcommands ---------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .source import DatasetSource, is_remote, local_dir
+
+    if not is_remote(args.url):
+        _require_index(local_dir(args.url))
+    index = DatasetSource(args.url, storage_options=_storage_options(args.storage_option)).index
+    sizes = [c.bytes for c in index.chunks]
+    items = [c.items for c in index.chunks]
+    rows = [
+        ("dataset", args.url),
+        ("format version", str(INDEX_VERSION)),
+        ("items", str(index.total_items)),
+        ("chunks", str(len(index.chunks))),
+        ("bytes", _bytes(index.total_bytes)),
+        ("chunk bytes", _spread(sizes, _bytes)),
+        ("chunk items", _spread(items, str)),
+        ("writer config", json.dumps(dict(index.config), sort_keys=True, default=str)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .reader import Reader, map_chunk
+    from .source import is_remote, local_dir
+
+    if is_remote(args.dir):
+        raise ConfigError(
+            f"verify checks a local dataset directory, got {args.dir!r}; "
+            "download it first (asynccache prefetch) or verify the source directory"
+        )
+    root = local_dir(args.dir)
+    index_path = _require_index(root)
+    with open(index_path, "rb") as f:
+        index = Index.from_json(f.read(), index_path)
+
+    def resolve(ci: int, entry: Any) -> str:
+        return os.path.join(root, entry.filename)
+
+    # Checksums are checked once by map_chunk below; the reader only decodes.
+    reader = Reader(index, resolve, verify=False, allow_pickle=args.allow_pickle, max_open=1)
+    bad = decoded = 0
+    for ci, entry in enumerate(index.chunks):
+        try:
+            map_chunk(resolve(ci, entry), entry, verify=True)
+            for pos in range(entry.items):
+                reader.read(ci, pos)
+                decoded += 1
+        except (DataError, ObjectNotFoundError) as exc:
+            bad += 1
+            print(f"BAD {entry.filename}: {_one_line(exc)}")
+        finally:
+            reader.release(ci)
+    reader.close()
+    ok = len(index.chunks) - bad
+    print(
+        f"{len(index.chunks)} chunks checked: {ok} ok, {bad} bad; "
+        f"{decoded} of {index.total_items} items decoded"
+    )
+    return 1 if bad else 0
+
+
+def _upload(args: argparse.Namespace) -> int:
+    from .upload import upload
+
+    s = upload(args.dir, args.url, _storage_options(args.storage_option))
+    print(
+        f"uploaded {s.objects} objects ({_bytes(s.bytes)}) to {args.url} in {s.seconds:.1f}s; "
+        f"{s.skipped} already present"
+    )
+    return 0
+
+
+def _prefetch(args: argparse.Namespace) -> int:
+    from .prefetch import prefetch
+    from .source import is_remote
+
+    if not is_remote(args.url):
+        _require_index(args.url.removeprefix("file://"))
+        print(f"{args.url} is local: read in place, nothing to fetch")
+        return 0
+    s = prefetch(args.url, args.cache_dir, _storage_options(args.storage_option))
+    print(
+        f"prefetched {s.chunks_fetched} chunks ({_bytes(s.bytes)}), {s.hits} already cached, "
+        f"{s.retries} retries, {_bytes(int(s.bytes_per_s))}/s"
+    )
+    return 0
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    # Every subcommand also accepts --debug; SUPPRESS keeps a subcommand's default from
+    # overriding a --debug given before the subcommand name.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (endpoint_url, region_name, verify, ...); repeatable",
+    )
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect, verify, upload and prefetch asynccache datasets."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", parents=[common, storage], help="print a dataset's index summary")
+    p.add_argument("url", metavar="PATH_OR_URL")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser(
+        "verify", parents=[common], help="check every chunk and item of a local dataset"
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="decode pickled leaves (only for data you trust: unpickling can run code)",
+    )
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser(
+        "upload", parents=[common, storage], help="upload a dataset; index.json last"
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("url", metavar="URL")
+    p.set_defaults(func=_upload)
+
+    p = sub.add_parser(
+        "prefetch", parents=[common, storage], help="download a remote dataset into the cache"
+    )
+    p.add_argument("url", metavar="URL")
+    p.add_argument(
+        "--cache-dir", default=None, help="local cache directory (default ASYNCCACHE_CACHE_DIR)"
+    )
+    p.set_defaults(func=_prefetch)
+    return parser
+
+
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["verify=false", "port=9000", "region_name=x"]`` -> ``{False, 9000, "x"}`` values.
+
+    Raises:
+        ConfigError: an entry has no ``=`` or an empty key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--storage-option expects KEY=VALUE, got {pair!r}")
+        out[key.strip()] = _option_value(raw)
+    return out
+
+
+def _option_value(raw: str) -> bool | int | str:
+    low = raw.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        return raw
+
+
+def _require_index(root: str) -> str:
+    """Path of ``root``'s ``index.json``; a missing one is an error naming the directory."""
+    path = os.path.join(root, INDEX_NAME)
+    if not os.path.isfile(path):
+        what = "directory does not exist" if not os.path.isdir(root) else f"no {INDEX_NAME}"
+        raise ObjectNotFoundError(f"{root}: not a dataset ({what})", url=root)
+    return path
+
+
+def _spread(values: Sequence[int], fmt: Any) -> str:
+    if not values:
+        return "-"
+    mid = int(statistics.median(values))
+    return f"min {fmt(min(values))}, median {fmt(mid)}, max {fmt(max(values))}"
+
+
+def _bytes(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``; exact below 1 KiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
