@@ -22,3 +22,28 @@ def test_every_error_derives_from_the_root():
         obj = getattr(asynccache, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, asynccache.AsyncCacheError), name
+
+
+def test_imports_without_the_optional_extras():
+    """botocore (s3) and PIL (images) are optional: importing must not need them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('botocore', 'PIL', 'zstandard'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import asynccache\n"
+        "from asynccache import Settings\n"
+        "from asynccache.storage import open_storage\n"
+        "try:\n"
+        "    open_storage('s3://bucket/x', Settings())\n"
+        "except asynccache.ConfigError as e:\n"
+        "    print('config error:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "asynccache[s3]" in out.stdout

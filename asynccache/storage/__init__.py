@@ -4,6 +4,14 @@ from .base import ObjectInfo, Storage
 from .factory import open_storage
 from .http import HttpStorage
 from .local import LocalStorage
-from .s3 import S3Storage
+
+
+def __getattr__(name: str) -> object:
+    if name == "S3Storage":  # imported on demand: it needs the optional botocore
+        from .s3 import S3Storage
+
+        return S3Storage
+    raise AttributeError(name)
+
 
 __all__ = ["HttpStorage", "LocalStorage", "ObjectInfo", "S3Storage", "Storage", "open_storage"]

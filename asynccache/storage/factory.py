@@ -17,8 +17,6 @@ from ..errors import ConfigError
 from .base import Storage
 from .http import HttpStorage
 from .local import LocalStorage
-from .s3 import S3Storage
-from .s3_auth import S3Signer
 from .transport import verify_tls
 
 __all__ = ["S3_OPTION_KEYS", "open_storage"]
@@ -103,6 +101,13 @@ def _open_s3(
     aws_env: Mapping[str, str],
 ) -> Storage:
     _check_options(options, S3_OPTION_KEYS, url)
+    try:  # botocore (signing, credentials) comes with the optional "s3" extra
+        from .s3 import S3Storage
+        from .s3_auth import S3Signer
+    except ImportError as exc:
+        raise ConfigError(
+            f"{url}: s3:// needs botocore; install it with pip install 'asynccache[s3]'"
+        ) from exc
     if not bucket or "@" in bucket or ":" in bucket or not _BUCKET_RE.match(bucket):
         raise ConfigError(f"malformed S3 URL {url!r}: expected s3://bucket[/prefix]")
     prefix = unquote(path).strip("/")
