@@ -21,7 +21,7 @@ from .config import Settings
 from .download.downloader import ChunkSpec, Downloader
 from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
-from .errors import TransientError
+from .errors import ObjectNotFoundError, TransientError
 from .format import INDEX_NAME, ChunkEntry, Index
 from .storage import open_storage
 from .storage.base import Storage
@@ -72,8 +72,13 @@ class DatasetSource:
     def _read_index(self) -> Index:
         if not self.remote:
             path = os.path.join(local_dir(self.url), INDEX_NAME)
-            with open(path, "rb") as f:
-                return Index.from_json(f.read(), path)
+            try:
+                with open(path, "rb") as f:
+                    return Index.from_json(f.read(), path)
+            except FileNotFoundError as exc:
+                raise ObjectNotFoundError(
+                    f"{path}: no dataset here (index.json is missing)", url=path
+                ) from exc
         storage = self._connect()
         policy = RetryPolicy(
             self.settings.retries, self.settings.backoff_base_s, self.settings.backoff_max_s
