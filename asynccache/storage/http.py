@@ -17,9 +17,8 @@ from .transport import (
     SessionHolder,
     check_range,
     encoded_url,
-    past_end,
     range_header,
-    stream_body,
+    stream_response,
 )
 
 __all__ = ["HttpStorage"]
@@ -74,21 +73,8 @@ class HttpStorage(Storage):
         async with map_client_errors(url):
             session = self._sessions.get()
             resp = await session.get(encoded_url(self._href(key)), headers=headers)
-        done = False
-        try:
-            if past_end(resp, start):
-                done = True
-                return
-            if resp.status not in (200, 206):
-                async with map_client_errors(url):
-                    body = await resp.content.read(4096)
-                raise status_error(resp.status, url, body=body, headers=resp.headers)
-            async for piece in stream_body(resp, url, start, end):
-                yield piece
-            done = True
-        finally:
-            # An abandoned body must not go back to the pool half-read.
-            resp.release() if done else resp.close()
+        async for piece in stream_response(resp, url, start, end):
+            yield piece
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
         raise StorageError(

@@ -25,9 +25,8 @@ from .transport import (
     SessionHolder,
     check_range,
     encoded_url,
-    past_end,
     range_header,
-    stream_body,
+    stream_response,
 )
 
 __all__ = ["S3Storage"]
@@ -163,30 +162,10 @@ class S3Storage(Storage):
         async with map_client_errors(url):
             signed = await self.signer.sign("GET", href, headers)
             resp = await self._sessions.get().get(encoded_url(href), headers=signed)
-        done = False
-        try:
-            if past_end(resp, start):
-                done = True
-                return
-            if resp.status not in (200, 206):
-                async with map_client_errors(url):
-                    body = await resp.content.read(8192)
-                raise status_error(
-                    resp.status,
-                    url,
-                    body=body,
-                    headers=resp.headers,
-                    credential_source=self.signer.source,
-                )
-            async for piece in stream_body(resp, url, start, end):
-                yield piece
-            done = True
-        finally:
-            # An abandoned body must not go back to the pool half-read.
-            if done:
-                resp.release()
-            else:
-                resp.close()
+        async for piece in stream_response(
+            resp, url, start, end, credential_source=self.signer.source
+        ):
+            yield piece
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix

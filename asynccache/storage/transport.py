@@ -16,7 +16,7 @@ from yarl import URL
 
 from ..config import Settings
 from ..errors import BridgeError, ConfigError, TransientError
-from .errmap import map_client_errors
+from .errmap import map_client_errors, status_error
 
 __all__ = [
     "SessionHolder",
@@ -154,3 +154,41 @@ async def stream_body(
 def encoded_url(url: str) -> URL:
     """A yarl URL that aiohttp sends byte-for-byte (it was signed that way)."""
     return URL(url, encoded=True)
+
+
+async def stream_response(
+    resp: aiohttp.ClientResponse,
+    url: str,
+    start: int,
+    end: int | None,
+    *,
+    credential_source: str | None = None,
+) -> AsyncIterator[bytes]:
+    """The body of a (ranged) GET, with error statuses mapped; always frees the connection.
+
+    A body read to the end goes back to the pool; an abandoned one is closed, never
+    returned to the pool half-read.
+    """
+    done = False
+    try:
+        if past_end(resp, start):
+            done = True
+            return
+        if resp.status not in (200, 206):
+            async with map_client_errors(url):
+                body = await resp.content.read(8192)
+            raise status_error(
+                resp.status,
+                url,
+                body=body,
+                headers=resp.headers,
+                credential_source=credential_source,
+            )
+        async for piece in stream_body(resp, url, start, end):
+            yield piece
+        done = True
+    finally:
+        if done:
+            resp.release()
+        else:
+            resp.close()
