@@ -63,6 +63,7 @@ class Settings:
     log_level: str | None = None
     progress: bool = True
     verify_tls: bool = True
+    durable: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cache_bytes", "part_bytes"):

@@ -9,13 +9,13 @@ reconnects lazily in that process (its own I/O thread, its own sessions).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from .bridge import get_loop_thread
-from .cache.layout import dataset_dir
 from .cache.store import ChunkStore
 from .config import Settings
 from .download.downloader import ChunkSpec, Downloader
@@ -55,9 +55,12 @@ class DatasetSource:
         settings: Settings | None = None,
     ) -> None:
         self.url = os.fspath(url)
-        self.settings = settings or Settings.from_env()
+        settings = settings or Settings.from_env()
+        if cache_dir is not None:
+            settings = dataclasses.replace(settings, cache_dir=os.fspath(cache_dir))
+        self.settings = settings
         self.settings.configure_logging()
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else self.settings.cache_dir
+        self.cache_dir = settings.cache_dir
         self.storage_options = dict(storage_options or {})
         self.remote = is_remote(self.url)
         self._aws_env = Settings.aws_env() if self.remote else {}
@@ -118,9 +121,8 @@ class DatasetSource:
         storage = self._connect()
         with self._mu:
             if self._downloader is None:
-                root = dataset_dir(self.cache_dir, self.url, self.index.checksum)
-                self._store = ChunkStore(
-                    root, max_cache_bytes=self.settings.max_cache_bytes, cache_dir=self.cache_dir
+                self._store = ChunkStore.for_dataset(
+                    self.settings, self.url, self.index.checksum, durable=self.settings.durable
                 )
                 self._downloader = Downloader(storage, self._store, self.settings)
             return self._downloader
