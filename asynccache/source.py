@@ -9,6 +9,7 @@ reconnects lazily in that process (its own I/O thread, its own sessions).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import threading
@@ -21,7 +22,7 @@ from .config import Settings
 from .download.downloader import ChunkSpec, Downloader
 from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
-from .errors import ObjectNotFoundError, TransientError
+from .errors import ObjectNotFoundError, StorageTimeoutError, TransientError
 from .format import INDEX_NAME, ChunkEntry, Index
 from .storage import open_storage
 from .storage.base import Storage
@@ -147,7 +148,15 @@ class DatasetSource:
             self.settings.retries + 2
         )
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
-            dl.ensure(spec.name, spec.size, spec.checksum).result(timeout=budget)
+            fut = dl.ensure(spec.name, spec.size, spec.checksum)
+            try:
+                fut.result(timeout=budget)
+            except concurrent.futures.TimeoutError as exc:
+                fut.cancel()
+                raise StorageTimeoutError(
+                    f"{self.url}/{entry.filename}: not downloaded within {budget:.0f}s",
+                    url=self.url,
+                ) from exc
             assert self._store is not None
             path = self._store.pin(spec.name)
             if path is not None:
