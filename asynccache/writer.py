@@ -20,6 +20,7 @@ from ._version import __version__
 from .errors import BadIndexError, CacheError, ConfigError
 from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
 from .format.index import format_checksum, new_hasher
+from .format.items import compressor
 from .fsutil import atomic_write
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -45,6 +46,7 @@ class ChunkWriter:
         chunk_size: int | None = None,
         token: str | None = None,
         allow_pickle: bool = False,
+        compression: str | None = None,
     ) -> None:
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -58,6 +60,9 @@ class ChunkWriter:
         self.chunk_size = chunk_size
         self.token = token
         self.allow_pickle = allow_pickle
+        self.compression = compression
+        if compression is not None:
+            compressor(compression)  # fail now, not at the first item
         self._keys: list[int] = []
         self._items: list[list[memoryview | bytes]] = []
         self._bytes = 0
@@ -70,6 +75,7 @@ class ChunkWriter:
         return {
             "chunk_bytes": self.chunk_bytes,
             "chunk_size": self.chunk_size,
+            "compression": self.compression,
             "writer": f"asynccache {__version__}",
         }
 
@@ -77,7 +83,7 @@ class ChunkWriter:
         """Store ``item`` under ``key`` (a non-negative int)."""
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
             raise ConfigError(f"cache keys must be non-negative integers, got {key!r}")
-        pieces = encode(item, allow_pickle=self.allow_pickle)
+        pieces = encode(item, allow_pickle=self.allow_pickle, compression=self.compression)
         size = encoded_size(pieces) + 8
         full_by_bytes = self.chunk_bytes is not None and self._bytes + size > self.chunk_bytes
         full_by_count = self.chunk_size is not None and len(self._items) >= self.chunk_size
@@ -138,6 +144,8 @@ def merge_dir(
 ) -> Index:
     """Wait for every writer's ``{w}.index.json`` of this ``token``, then write ``index.json``.
 
+    The merged ``config`` is the writers' config updated with ``config``.
+
     With ``renumber``, each writer's keys are its own ``0 .. n-1`` (it could not know
     global positions, e.g. when it read an iterable); they are shifted so that writer 0's
     items come first, then writer 1's, and so on.
@@ -165,7 +173,7 @@ def merge_dir(
             time.sleep(0.02)
     if renumber:
         parts = _renumbered(parts)
-    cfg = dict(config or (parts[0].config if parts else {}))
+    cfg = {**(parts[0].config if parts else {}), **(config or {})}
     try:
         idx = merge(parts, cfg)
     except BadIndexError as exc:

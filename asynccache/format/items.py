@@ -44,11 +44,40 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..errors import DataError, SerializationError
+from ..errors import ConfigError, DataError, SerializationError
 
 ALIGN = 64
+#: Buffers smaller than this are never compressed (not worth a copy on read).
+COMPRESS_MIN = 1024
+CODECS = ("zstd",)
 _U32 = struct.Struct("<I")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def compressor(name: str) -> Any:
+    """``compress(bytes-like) -> bytes`` for codec ``name``."""
+    if name not in CODECS:
+        raise ConfigError(f"unknown compression {name!r}; supported: {', '.join(CODECS)}")
+    zstd = _zstd()
+    return zstd.ZstdCompressor(level=3).compress
+
+
+def decompressor(name: str) -> Any:
+    """``decompress(bytes-like, size) -> bytes`` for codec ``name``."""
+    if name not in CODECS:
+        raise SerializationError(f"unknown compression codec {name!r} in the item header")
+    zstd = _zstd()
+    return lambda data, size: zstd.ZstdDecompressor().decompress(data, max_output_size=size)
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as exc:
+        raise ConfigError(
+            "zstd compression needs zstandard: pip install 'asynccache[compression]'"
+        ) from exc
+    return zstandard
 
 
 def align(n: int) -> int:
@@ -133,25 +162,39 @@ class _Encoder:
 _PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"})
 
 
-def encode(item: Any, *, allow_pickle: bool = False) -> list[memoryview | bytes]:
+def encode(
+    item: Any, *, allow_pickle: bool = False, compression: str | None = None
+) -> list[memoryview | bytes]:
     """Serialize ``item``; returns the pieces to write back to back (header, pads, buffers).
 
-    The total length is a multiple of :data:`ALIGN` so the next item stays aligned.
+    The total length is a multiple of :data:`ALIGN` so the next item stays aligned. With
+    ``compression="zstd"``, buffers of at least :data:`COMPRESS_MIN` bytes are stored
+    compressed when that saves at least a tenth (their leaves are then copies on read).
 
     Raises:
         SerializationError: ``item`` contains a leaf that can't be stored.
+        ConfigError: unknown ``compression``, or zstandard is not installed.
     """
     enc = _Encoder(allow_pickle)
     tree = enc.node(item)
+    codecs: list[list[Any]] = [[] for _ in enc.buffers]
+    if compression is not None:
+        compress = compressor(compression)
+        for i, data in enumerate(enc.buffers):
+            if data.nbytes >= COMPRESS_MIN:
+                packed = compress(data)
+                if len(packed) <= 0.9 * data.nbytes:
+                    codecs[i] = [compression, data.nbytes]
+                    enc.buffers[i] = memoryview(packed)
     # Offsets depend on the header length, which depends on the offsets' encoded size:
     # place buffers after a header encoded with final offsets, recomputing once if needed.
-    sizes = [b.nbytes for b in enc.buffers]
+    sizes = [b.nbytes for b in enc.buffers]  # (after compression)
     header = b""
     start = 0
     while True:  # converges: offsets only grow, and the header grows slower than they do
         offsets, pos = [], start
-        for n in sizes:
-            offsets.append([pos, n])
+        for n, codec in zip(sizes, codecs, strict=True):
+            offsets.append([pos, n, *codec])
             pos = align(pos + n)
         header = msgpack.packb([tree, offsets], use_bin_type=True)
         needed = align(_U32.size + len(header))
@@ -160,7 +203,7 @@ def encode(item: Any, *, allow_pickle: bool = False) -> list[memoryview | bytes]
         start = needed
     pieces: list[memoryview | bytes] = [_U32.pack(len(header)), header]
     pos = _U32.size + len(header)
-    for (off, n), data in zip(offsets, enc.buffers, strict=True):
+    for (off, n, *_codec), data in zip(offsets, enc.buffers, strict=True):
         pieces.append(b"\0" * (off - pos))
         pieces.append(data)
         pos = off + n
@@ -194,10 +237,10 @@ def decode(buf: Any, start: int, end: int, *, where: str, allow_pickle: bool = F
             strict_map_key=False,
         )
         spans = []
-        for off, n in offsets:
+        for off, n, *codec in offsets:
             if off < 0 or n < 0 or off + n > end - start:
                 raise DataError(f"{where}: buffer [{off}, {off + n}) lies outside the item")
-            spans.append((start + off, n))
+            spans.append((start + off, n, *codec))
     except DataError:
         raise
     except Exception as exc:
@@ -216,7 +259,7 @@ class _Decoder:
         self,
         buf: Any,
         view: memoryview,
-        spans: list[tuple[int, int]],
+        spans: list[tuple[Any, ...]],
         where: str,
         allow_pickle: bool,
     ) -> None:
@@ -234,8 +277,8 @@ class _Decoder:
         if tag == "I":
             return int(n[1])
         if tag == "y":
-            off, size = self.spans[n[1]]
-            return bytes(self.view[off : off + size])
+            buf, off, size = self.raw(n[1])
+            return bytes(memoryview(buf)[off : off + size])
         if tag == "g":
             return np.frombuffer(n[2], dtype=np.dtype(n[1]))[0]
         if tag == "a":
@@ -256,21 +299,38 @@ class _Decoder:
                     f"{self.where}: item holds a pickled leaf; pass allow_pickle=True "
                     "to read it (only for data you trust)"
                 )
-            off, size = self.spans[n[1]]
-            return pickle.loads(self.view[off : off + size])
+            buf, off, size = self.raw(n[1])
+            return pickle.loads(memoryview(buf)[off : off + size])
         raise DataError(f"{self.where}: unknown leaf tag {tag!r}")
 
-    def _span(self, idx: int, itemsize: int, shape: list[int]) -> tuple[int, int]:
-        off, size = self.spans[idx]
+    def raw(self, idx: int) -> tuple[Any, int, int]:
+        """``(buffer, offset, size)`` of raw buffer ``idx``: the chunk itself, or a
+        decompressed, writable copy."""
+        off, size, *codec = self.spans[idx]
+        if not codec:
+            return self.buf, off, size
+        name, raw_size = codec
+        try:
+            data = decompressor(name)(self.view[off : off + size], raw_size)
+        except (ConfigError, SerializationError):
+            raise
+        except Exception as exc:
+            raise DataError(f"{self.where}: corrupt {name} buffer ({exc})") from exc
+        if len(data) != raw_size:
+            raise DataError(f"{self.where}: {name} buffer holds {len(data)} bytes, not {raw_size}")
+        return bytearray(data), 0, raw_size
+
+    def _span(self, idx: int, itemsize: int, shape: list[int]) -> tuple[Any, int, int]:
+        buf, off, size = self.raw(idx)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if count * itemsize != size:
             raise DataError(f"{self.where}: buffer of {size} bytes doesn't hold shape {shape}")
-        return off, count
+        return buf, off, count
 
     def ndarray(self, dtype: str, shape: list[int], idx: int) -> np.ndarray:
         dt = np.dtype(dtype)
-        off, count = self._span(idx, dt.itemsize, shape)
-        return np.frombuffer(self.buf, dtype=dt, count=count, offset=off).reshape(shape)
+        buf, off, count = self._span(idx, dt.itemsize, shape)
+        return np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
 
     def tensor(self, dtype: str, shape: list[int], idx: int) -> Any:
         import torch
@@ -278,19 +338,18 @@ class _Decoder:
         dt = getattr(torch, dtype, None)
         if not isinstance(dt, torch.dtype):
             raise DataError(f"{self.where}: unknown torch dtype {dtype!r}")
-        off, count = self._span(idx, dt.itemsize, shape)
+        buf, off, count = self._span(idx, dt.itemsize, shape)
         if count == 0:
             return torch.empty(shape, dtype=dt)
-        if self.view.readonly:  # torch tensors must be writable: copy from read-only memory
-            raw = bytearray(self.view[off : off + count * dt.itemsize])
-            return torch.frombuffer(raw, dtype=dt).reshape(shape)
-        return torch.frombuffer(self.buf, dtype=dt, count=count, offset=off).reshape(shape)
+        if memoryview(buf).readonly:  # torch tensors must be writable: copy read-only memory
+            buf, off = bytearray(memoryview(buf)[off : off + count * dt.itemsize]), 0
+        return torch.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
 
     def image(self, mode: str, size: list[int], codec: str, idx: int) -> Any:
         from PIL import Image
 
-        off, n = self.spans[idx]
-        with Image.open(io.BytesIO(bytes(self.view[off : off + n])), formats=[codec]) as f:
+        buf, off, n = self.raw(idx)
+        with Image.open(io.BytesIO(bytes(memoryview(buf)[off : off + n])), formats=[codec]) as f:
             img = f.copy()  # a plain Image, like the one written, not a PngImageFile
         if img.mode != mode or list(img.size) != list(size):
             raise DataError(

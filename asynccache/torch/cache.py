@@ -40,6 +40,8 @@ class Cache:
             data you trust: unpickling can run arbitrary code.
         verify: check each chunk's checksum when it is first opened in this process
             (downloaded chunks are always verified before they are cached).
+        compression: ``"zstd"`` stores large leaf buffers compressed when that saves space
+            (needs the ``compression`` extra; such leaves are copies, not views, on read).
         cache_dir: where remote chunks are cached (default ``ASYNCCACHE_CACHE_DIR``).
         storage_options: endpoint, credentials and TLS options for remote storage.
         max_cache_bytes: the local cache budget (default ``ASYNCCACHE_MAX_CACHE_BYTES``).
@@ -56,6 +58,7 @@ class Cache:
         cache_dir: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         max_cache_bytes: int | None = None,
+        compression: str | None = None,
     ) -> None:
         url = os.fspath(input_dir)
         self.url = url
@@ -64,6 +67,7 @@ class Cache:
         self.cache_dir = cache_dir
         self.storage_options = storage_options
         self.max_cache_bytes = max_cache_bytes
+        self.compression = compression
         self.chunk_size = chunk_size
         self.chunk_bytes = chunk_bytes
         self.allow_pickle = allow_pickle
@@ -153,6 +157,7 @@ class Cache:
                 chunk_size=self.chunk_size,
                 token=self._token,
                 allow_pickle=self.allow_pickle,
+                compression=self.compression,
             )
         self._writer.add(key, item)
 
@@ -165,6 +170,7 @@ class Cache:
             chunk_size=self.chunk_size,
             token=token,
             allow_pickle=self.allow_pickle,
+            compression=self.compression,
         )
 
     def _finish_write(self) -> None:

@@ -57,6 +57,7 @@ class CacheDataLoader:
         dataset: see above.
         cache_dir: where to write the chunks; for a URL, where to cache them.
         chunk_bytes / chunk_size: chunk limits for writing (see :class:`Cache`).
+        compression: ``"zstd"`` to compress large leaf buffers when writing.
         batch_size, num_workers, shuffle, drop_last, collate_fn: as torch's DataLoader.
         seed: the shuffle seed.
         **kwargs: passed to torch's DataLoader (``pin_memory``, ``timeout``,
@@ -75,6 +76,7 @@ class CacheDataLoader:
         seed: int = 0,
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        compression: str | None = None,
         **kwargs: Any,
     ) -> None:
         for name in _UNSUPPORTED:
@@ -96,7 +98,12 @@ class CacheDataLoader:
             if owned is not None:
                 self.cache, self._owned = owned, owned is not dataset
             elif cache_dir is not None:
-                self.cache = Cache(cache_dir, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+                self.cache = Cache(
+                    cache_dir,
+                    chunk_size=chunk_size,
+                    chunk_bytes=chunk_bytes,
+                    compression=compression,
+                )
             else:
                 raise ConfigError(
                     "CacheDataLoader needs cache_dir= (where to write the chunks) unless the "
@@ -287,11 +294,7 @@ class CacheDataLoader:
                 writers,
                 token=token,
                 timeout_s=MERGE_TIMEOUT_S,
-                config={
-                    "chunk_bytes": self.cache.chunk_bytes,
-                    "chunk_size": self.cache.chunk_size,
-                    "token": token,
-                },
+                config={"token": token},
                 renumber=iterable,
             )
         else:

@@ -19,7 +19,10 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     )
     try:
         ds = StreamingDataset(
-            cfg["url"], cache_dir=cfg["cache_dir"], shuffle=True, seed=cfg.get("seed", 7),
+            cfg["url"],
+            cache_dir=cfg["cache_dir"],
+            shuffle=True,
+            seed=cfg.get("seed", 7),
             storage_options=cfg["storage_options"],
         )
         dl = CacheDataLoader(ds, batch_size=cfg["batch_size"], num_workers=2)

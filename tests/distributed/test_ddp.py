@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -29,8 +30,9 @@ def free_port() -> int:
 def launch(world: int, cfg: dict, timeout: float = 240) -> list[list[dict]]:
     """Run ``world`` ranks to completion (bounded), return each rank's epochs."""
     os.makedirs(cfg["out"], exist_ok=True)
-    ctx = mp.start_processes(rank_main, args=(world, free_port(), cfg), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        rank_main, args=(world, free_port(), cfg), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):
@@ -59,8 +61,15 @@ def remote(objstore, tmp_path_factory):
 
 def config(remote, tmp_path, name, **kw):
     url, opts = remote
-    return {"url": url, "storage_options": opts, "cache_dir": str(tmp_path / "cache"),
-            "out": str(tmp_path / name), "batch_size": B, "epochs": 2, **kw}
+    return {
+        "url": url,
+        "storage_options": opts,
+        "cache_dir": str(tmp_path / "cache"),
+        "out": str(tmp_path / name),
+        "batch_size": B,
+        "epochs": 2,
+        **kw,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -69,11 +78,12 @@ def test_every_sample_once_per_epoch_equal_ranks_reproducible(remote, tmp_path, 
     for epoch in range(2):
         per_rank = [first[r][epoch]["keys"] for r in range(world)]
         assert len({len(k) for k in per_rank}) == 1, "every rank takes the same number"
-        assert all(len(k) == -(-N // world) for k in per_rank)
-        assert first[0][epoch]["len"] == -(-(-(-N // world)) // B)
+        per_rank_samples = math.ceil(N / world)
+        assert all(len(k) == per_rank_samples for k in per_rank)
+        assert first[0][epoch]["len"] == math.ceil(per_rank_samples / B)
         flat = [k for keys in per_rank for k in keys]
         assert set(flat) == set(range(N)), "every sample in every epoch"
-        assert len(flat) - N == -(-N // world) * world - N, "only the documented padding"
+        assert len(flat) - N == per_rank_samples * world - N, "only the documented padding"
     assert first[0][0]["keys"] != first[0][1]["keys"], "epochs differ"
     again = launch(world, config(remote, tmp_path, "b"))
     assert again == first, "identical on rerun"

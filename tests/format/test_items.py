@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from asynccache.errors import DataError, SerializationError
-from asynccache.format import ChunkView, build, decode, encode
+from asynccache.errors import ConfigError, DataError, SerializationError
+from asynccache.format import ChunkView, build, decode, encode, encoded_size
 from tests.helpers import assert_same
 
 TORCH_DTYPES = [
@@ -53,11 +53,13 @@ NP_DTYPES = [
 ]
 
 
-def roundtrip(item, **kw):
-    data = b"".join(bytes(p) for p in build([encode(item, **kw)]))
+def roundtrip(item, allow_pickle=False, compression=None):
+    data = b"".join(
+        bytes(p) for p in build([encode(item, allow_pickle=allow_pickle, compression=compression)])
+    )
     view = ChunkView(data, "mem")
     start, end = view.span(0)
-    return decode(data, start, end, where="mem", **kw)
+    return decode(data, start, end, where="mem", allow_pickle=allow_pickle)
 
 
 def tensors():
@@ -179,5 +181,44 @@ def test_corrupt_item_header_is_a_data_error():
     data = bytearray(b"".join(bytes(p) for p in build([encode({"a": 1})])))
     start, end = ChunkView(bytes(data), "mem").span(0)
     data[start + 4 : start + 12] = b"\xc1" * 8  # 0xc1 is never valid msgpack
+    with pytest.raises(DataError, match="mem"):
+        decode(bytes(data), start, end, where="mem")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pytrees)
+def test_any_pytree_round_trips_compressed(item):
+    assert_same(item, roundtrip(item, compression="zstd"))
+
+
+def test_compression_shrinks_compressible_leaves_and_reads_back_writable():
+    item = {
+        "zeros": np.zeros(100_000, dtype=np.float32),
+        "t": torch.zeros(50_000),
+        "b": b"a" * 5000,
+        "noise": np.random.default_rng(0).bytes(5000),
+    }
+    plain = encoded_size(encode(item))
+    packed = encoded_size(encode(item, compression="zstd"))
+    assert packed < plain / 10
+    out = roundtrip(item, compression="zstd")
+    assert_same(item, out)
+    out["zeros"][0] = 1.0  # a private copy: writable
+    out["t"][0] = 1.0
+
+
+def test_unknown_compression_is_a_config_error():
+    with pytest.raises(ConfigError, match="lz9"):
+        encode({"x": b"y" * 4096}, compression="lz9")
+
+
+def test_corrupt_compressed_buffer_is_a_data_error():
+    data = bytearray(
+        b"".join(bytes(p) for p in build([encode(np.zeros(4096), compression="zstd")]))
+    )
+    start, end = ChunkView(bytes(data), "mem").span(0)
+    header_len = int.from_bytes(data[start : start + 4], "little")
+    first_buffer = start + (4 + header_len + 63) // 64 * 64
+    data[first_buffer : first_buffer + 8] = b"\xff" * 8  # the zstd frame's magic
     with pytest.raises(DataError, match="mem"):
         decode(bytes(data), start, end, where="mem")

@@ -189,3 +189,26 @@ def test_advanced_example_with_two_spawned_processes(tmp_path):
     files = set(os.listdir(tmp_path / "c"))
     assert {"0.index.json", "1.index.json", "2.index.json", "3.index.json", "index.json"} <= files
     assert len(Cache(tmp_path / "c")) == 100
+
+
+def test_compressed_cache_round_trips_and_is_smaller(tmp_path):
+    class Zeros(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return {"i": i, "x": torch.zeros(4096)}
+
+    plain = list(CacheDataLoader(Zeros(), cache_dir=tmp_path / "p", batch_size=4))
+    packed = list(
+        CacheDataLoader(Zeros(), cache_dir=tmp_path / "z", batch_size=4, compression="zstd")
+    )
+    again = list(CacheDataLoader(Zeros(), cache_dir=tmp_path / "z", batch_size=4))
+    for a, b, c in zip(plain, packed, again, strict=True):
+        assert_same(a, b)
+        assert_same(a, c)
+    size = lambda d: sum(f.stat().st_size for f in d.glob("chunk-*.bin"))  # noqa: E731
+    assert size(tmp_path / "z") < size(tmp_path / "p") / 5
+    assert (
+        json.loads((tmp_path / "z" / "index.json").read_text())["config"]["compression"] == "zstd"
+    )
