@@ -24,6 +24,7 @@ from .config import Settings
 from .errors import ConfigError
 from .format import INDEX_NAME
 from .storage import Storage, open_storage
+from .storage.transport import gather_or_cancel
 
 __all__ = ["UploadSummary", "upload", "upload_async"]
 
@@ -121,14 +122,7 @@ async def upload_async(
             sent += n
             bar.update(n)
 
-        tasks = [asyncio.ensure_future(put(k)) for k, _ in chunks]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel(put(k) for k, _ in chunks)
         await put(INDEX_NAME)  # the commit: only after every chunk is stored
     return UploadSummary(
         objects=len(todo), bytes=sent, seconds=time.monotonic() - started, skipped=skipped

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import StorageError
 from .s3_wire import NS, file_body, parse_xml
+from .transport import gather_or_cancel
 
 if TYPE_CHECKING:
     from .s3 import S3Storage
@@ -49,14 +50,7 @@ async def upload_multipart(storage: S3Storage, src: str, key: str, size: int) ->
         etags[number] = etag
 
     try:
-        tasks = [asyncio.ensure_future(put_part(i + 1, off)) for i, off in enumerate(offsets)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel(put_part(i + 1, off) for i, off in enumerate(offsets))
         root = ET.Element("CompleteMultipartUpload", xmlns=NS.strip("{}"))
         for number in sorted(etags):
             part_el = ET.SubElement(root, "Part")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 from yarl import URL
@@ -192,3 +193,18 @@ async def stream_response(
             resp.release()
         else:
             resp.close()
+
+
+async def gather_or_cancel(coros: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Run ``coros`` concurrently; on the first failure cancel the rest, wait, re-raise.
+
+    Nothing is left running behind an error (unlike a bare ``asyncio.gather``).
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
