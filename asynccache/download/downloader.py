@@ -21,6 +21,7 @@ from ..cache.store import ChunkStore
 from ..config import Settings
 from ..errors import ChecksumMismatchError, ObjectNotFoundError
 from ..storage.base import Storage
+from ..storage.transport import gather_or_cancel
 from .parts import fetch_range, split_parts
 from .retry import RetryPolicy
 from .stats import DownloadStats
@@ -213,7 +214,7 @@ class Downloader:
         """
         parts = split_parts(size, self.settings.part_bytes)
         hasher = xxhash.xxh3_64() if checksum and len(parts) == 1 else None
-        await _all_or_nothing(
+        await gather_or_cancel(
             fetch_range(
                 self.storage,
                 key,
@@ -273,25 +274,6 @@ class Downloader:
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run ``coro`` on this downloader's I/O thread and wait (bounded)."""
         return self._lt.call(coro, timeout)
-
-
-async def _all_or_nothing(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks, timeout=5.0)
-        raise
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.wait(pending, timeout=5.0)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
 
 
 def file_checksum(fd: int, size: int) -> str:
