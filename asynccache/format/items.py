@@ -35,6 +35,7 @@ Buffers are aligned so numpy and torch leaves are views into the chunk's mapping
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 import sys
@@ -159,6 +160,9 @@ class _Encoder:
         return ["p", img.mode, list(img.size), codec, self.buf(out.getbuffer())]
 
 
+# Tags whose value msgpack already decoded; the conversion only guards the type.
+_SCALARS: dict[str, Any] = {"i": int, "s": str, "f": float, "b": bool, "I": int}
+
 _PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"})
 
 
@@ -268,31 +272,28 @@ class _Decoder:
 
     def node(self, n: list[Any]) -> Any:
         tag = n[0]
+        conv = _SCALARS.get(tag)  # most frequent first: this runs for every leaf
+        if conv is not None:
+            return conv(n[1])
+        if tag == "a":
+            return self.ndarray(n[1], n[2], n[3])
+        if tag == "t":
+            return self.tensor(n[1], n[2], n[3])
+        if tag == "d":
+            return {self.node(k): self.node(v) for k, v in zip(n[1], n[2], strict=True)}
         if tag == "n":
             return None
-        if tag in ("b", "f", "s"):
-            return {"b": bool, "f": float, "s": str}[tag](n[1])
-        if tag == "i":
-            return int(n[1])
-        if tag == "I":
-            return int(n[1])
         if tag == "y":
             buf, off, size = self.raw(n[1])
             return bytes(memoryview(buf)[off : off + size])
         if tag == "g":
             return np.frombuffer(n[2], dtype=np.dtype(n[1]))[0]
-        if tag == "a":
-            return self.ndarray(n[1], n[2], n[3])
-        if tag == "t":
-            return self.tensor(n[1], n[2], n[3])
         if tag == "p":
             return self.image(n[1], n[2], n[3], n[4])
         if tag == "l":
             return [self.node(x) for x in n[1]]
         if tag == "u":
             return tuple(self.node(x) for x in n[1])
-        if tag == "d":
-            return {self.node(k): self.node(v) for k, v in zip(n[1], n[2], strict=True)}
         if tag == "k":
             if not self.allow_pickle:
                 raise DataError(
@@ -322,7 +323,7 @@ class _Decoder:
 
     def _span(self, idx: int, itemsize: int, shape: list[int]) -> tuple[Any, int, int]:
         buf, off, size = self.raw(idx)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if count * itemsize != size:
             raise DataError(f"{self.where}: buffer of {size} bytes doesn't hold shape {shape}")
         return buf, off, count
