@@ -13,7 +13,7 @@ from ..errors import ConfigError, ResumeStateError
 from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
-from .sampling import EpochSampler, epoch_order, rank_share
+from .map_order import EpochSampler, epoch_order, rank_share
 from .streaming import StreamingDataset
 from .writepass import IterableWritePass, MapWritePass, owned_cache, wait_for_index
 

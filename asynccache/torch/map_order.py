@@ -1,4 +1,4 @@
-"""The order of one epoch for one rank: deterministic, split evenly over ranks."""
+"""Order of map-style epochs (the writing epoch, and datasets that own their Cache)."""
 
 from __future__ import annotations
 
