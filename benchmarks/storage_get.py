@@ -16,42 +16,14 @@ import asyncio
 import os
 import statistics
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
 
-import aiohttp
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
+import limits
 
 from asynccache.config import Settings
 from asynccache.storage import S3Storage, open_storage
 from asynccache.testing import ObjectStore
 
-Part = tuple[str, int, int]  # key, start, end
-
-
-async def _run_parts(
-    parts: list[Part], concurrency: int, fetch: Callable[[Part], Awaitable[int]]
-) -> float:
-    """Seconds to fetch every part with ``concurrency`` workers; checks the byte count."""
-    queue: asyncio.Queue[Part] = asyncio.Queue()
-    for p in parts:
-        queue.put_nowait(p)
-    total = 0
-
-    async def worker() -> None:
-        nonlocal total
-        while not queue.empty():
-            part = queue.get_nowait()
-            n = await fetch(part)  # not `total += await ...`: that reads total too early
-            total += n
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    assert total == sum(e - s for _, s, e in parts), "short read"
-    return elapsed
+Part = limits.Part
 
 
 async def _storage_trial(store: ObjectStore, bucket: str, parts: list[Part], c: int) -> float:
@@ -66,39 +38,13 @@ async def _storage_trial(store: ObjectStore, bucket: str, parts: list[Part], c: 
 
     try:
         await fetch((parts[0][0], 0, 1))  # warm the pool
-        return await _run_parts(parts, c, fetch)
+        return await limits.run_parts(parts, c, fetch)
     finally:
         await storage.close()
 
 
 async def _bare_trial(store: ObjectStore, bucket: str, parts: list[Part], c: int) -> float:
-    creds = Credentials(store.access_key, store.secret_key)
-
-    def signed(url: str, rng: str) -> dict[str, str]:
-        req = AWSRequest(
-            method="GET",
-            url=url,
-            headers={"Range": rng, "X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"},
-        )
-        S3SigV4Auth(creds, "s3", store.region).add_auth(req)
-        return dict(req.headers.items())
-
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=c), auto_decompress=False
-    ) as session:
-
-        async def fetch(part: Part) -> int:
-            key, start, end = part
-            url = f"{store.endpoint_url}/{bucket}/{key}"
-            n = 0
-            async with session.get(url, headers=signed(url, f"bytes={start}-{end - 1}")) as r:
-                r.raise_for_status()
-                async for piece in r.content.iter_any():
-                    n += len(piece)
-            return n
-
-        await fetch((parts[0][0], 0, 1))
-        return await _run_parts(parts, c, fetch)
+    return await limits.raw_get(limits.S3Target.of(store, bucket), parts, c)
 
 
 async def _seed(store: ObjectStore, bucket: str, objects: int, size: int) -> list[str]:

@@ -1,0 +1,368 @@
+"""Limits of this machine, measured in the same run as the figure they bound.
+
+Shared by every benchmark in this directory (see ``BENCHMARKING.md`` at the project root
+and ``benchmarks/README.md``):
+
+* :func:`raw_get` / :func:`raw_get_sync`: the raw GET limit (i). A bare aiohttp loop that
+  signs each GET with botocore (SigV4, unsigned payload), keeps ``concurrency`` requests in
+  flight, counts the body bytes and drops them. No library code is on this path.
+* :func:`raw_read`: the raw local-read limit (ii), ``readinto`` of files in 8 MiB blocks.
+* :class:`CpuClock`: CPU seconds of this process plus its reaped children
+  (``getrusage``) and of another process (``/proc/<pid>/stat``), e.g. the object store.
+* :class:`PeakSampler`: a thread sampling the memory of this process tree and the bytes
+  under a directory, keeping the peaks.
+* :func:`versions`, :func:`cores`, :func:`loadavg`, :func:`cell`: the report's furniture.
+
+Import it from a script in this directory as ``import limits`` (the script's directory is
+first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from yarl import URL
+
+Part = tuple[str, int, int]  # key, start, end (exclusive)
+BLOCK = 8 << 20
+
+
+# -- (i) raw GET ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class S3Target:
+    """Where the bare loop sends its GETs: an S3 endpoint, a bucket, a key pair."""
+
+    endpoint_url: str
+    bucket: str
+    access_key: str
+    secret_key: str
+    region: str = "us-east-1"
+
+    @classmethod
+    def of(cls, store: object, bucket: str) -> S3Target:
+        """From an ``asynccache.testing.ObjectStore``."""
+        return cls(
+            store.endpoint_url,  # type: ignore[attr-defined]
+            bucket,
+            store.access_key,  # type: ignore[attr-defined]
+            store.secret_key,  # type: ignore[attr-defined]
+            store.region,  # type: ignore[attr-defined]
+        )
+
+    def url(self, key: str) -> str:
+        return f"{self.endpoint_url.rstrip('/')}/{self.bucket}/{key}"
+
+    def signed_headers(self, url: str, start: int, end: int) -> dict[str, str]:
+        """SigV4 headers for a ranged GET of ``[start, end)`` at ``url``."""
+        req = AWSRequest(
+            method="GET",
+            url=url,
+            headers={
+                "Range": f"bytes={start}-{end - 1}",
+                "X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD",
+            },
+        )
+        S3SigV4Auth(Credentials(self.access_key, self.secret_key), "s3", self.region).add_auth(req)
+        return dict(req.headers.items())
+
+
+def split(key: str, size: int, part_bytes: int) -> list[Part]:
+    """``key`` as ranged parts of at most ``part_bytes`` (how the downloader asks for it)."""
+    return [(key, s, min(s + part_bytes, size)) for s in range(0, max(size, 1), part_bytes)]
+
+
+async def run_parts(
+    parts: Sequence[Part], concurrency: int, fetch: Callable[[Part], Awaitable[int]]
+) -> float:
+    """Seconds to fetch every part with ``concurrency`` workers; checks the byte count."""
+    queue: asyncio.Queue[Part] = asyncio.Queue()
+    for p in parts:
+        queue.put_nowait(p)
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        while not queue.empty():
+            part = queue.get_nowait()
+            n = await fetch(part)  # not `total += await ...`: that reads total too early
+            total += n
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    assert total == sum(e - s for _, s, e in parts), "short read"
+    return elapsed
+
+
+async def raw_get(
+    target: S3Target,
+    parts: Sequence[Part],
+    concurrency: int,
+    *,
+    warm: bool = True,
+    piece_bytes: int | None = None,
+) -> float:
+    """Seconds for the bare loop to GET every part, ``concurrency`` in flight.
+
+    ``warm`` first fetches one byte so the timed loop does not pay the first connect.
+    ``piece_bytes``: read bodies in pieces of that size (default: whatever arrived).
+    """
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency), auto_decompress=False
+    ) as session:
+
+        async def fetch(part: Part) -> int:
+            key, start, end = part
+            url = target.url(key)
+            headers = target.signed_headers(url, start, end)
+            n = 0
+            async with session.get(URL(url, encoded=True), headers=headers) as r:
+                r.raise_for_status()
+                pieces = (
+                    r.content.iter_chunked(piece_bytes) if piece_bytes else r.content.iter_any()
+                )
+                async for piece in pieces:
+                    n += len(piece)
+            return n
+
+        if warm and parts:
+            await fetch((parts[0][0], 0, 1))
+        return await run_parts(parts, concurrency, fetch)
+
+
+def raw_get_sync(target: S3Target, parts: Sequence[Part], concurrency: int) -> float:
+    """:func:`raw_get` from synchronous code (runs its own event loop)."""
+    return asyncio.run(raw_get(target, parts, concurrency))
+
+
+# -- (ii) raw local read -------------------------------------------------------------------
+def raw_read(paths: Iterable[str | os.PathLike[str]], block: int = BLOCK) -> tuple[int, float]:
+    """``readinto`` every file in ``block``-byte pieces; returns (bytes, seconds)."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    total = 0
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total, time.perf_counter() - started
+
+
+def files_under(root: str | os.PathLike[str], suffix: str = ".bin") -> list[str]:
+    """Every file under ``root`` whose name ends with ``suffix`` (no temporaries)."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        out += [os.path.join(dirpath, n) for n in names if n.endswith(suffix)]
+    return sorted(out)
+
+
+def dir_bytes(root: str | os.PathLike[str]) -> int:
+    """Bytes of every file under ``root``, temporaries included (0 if it is gone)."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        d = stack.pop()
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(d) as it:
+            for e in it:
+                with contextlib.suppress(FileNotFoundError):
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    else:
+                        total += e.stat(follow_symlinks=False).st_size
+    return total
+
+
+# -- CPU seconds ---------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_self_children() -> float:
+    """User + system seconds of this process and of its children already reaped."""
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def cpu_pid(pid: int) -> float:
+    """User + system seconds of ``pid`` and its reaped children, from ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # fields[0] is the state (field 3); utime, stime, cutime, cstime are fields 14-17.
+    return sum(int(x) for x in fields[11:15]) / _TICK
+
+
+class CpuClock:
+    """CPU seconds spent between :meth:`start` and :meth:`stop` by us and by ``pid``.
+
+    ``client`` counts this process and its children reaped meanwhile (DataLoader workers
+    are reaped when their iterator ends, so stop after it is exhausted).
+    """
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+        self.client = 0.0
+        self.other = 0.0
+        self._c0 = 0.0
+        self._o0 = 0.0
+
+    def start(self) -> CpuClock:
+        self._c0 = cpu_self_children()
+        self._o0 = cpu_pid(self.pid) if self.pid else 0.0
+        return self
+
+    def stop(self) -> CpuClock:
+        self.client = cpu_self_children() - self._c0
+        self.other = (cpu_pid(self.pid) if self.pid else 0.0) - self._o0
+        return self
+
+    def __enter__(self) -> CpuClock:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- peaks ---------------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _mem_kib(pid: int, field: str) -> int:
+    path = f"/proc/{pid}/smaps_rollup" if field.startswith("Pss") else f"/proc/{pid}/status"
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def tree_mem_bytes(
+    root: int | None = None, exclude: Sequence[int] = (), field: str = "Pss:"
+) -> int:
+    """Memory of ``root`` (default: this process) and its descendants, ``exclude`` pruned.
+
+    ``Pss:`` (default) shares each shared page among the processes that map it, so forked
+    workers are not counted twice; it includes mapped file pages (an mmap'd cache file
+    that was read counts). ``Pss_Anon:`` counts anonymous memory only; ``VmRSS:`` sums
+    resident sets.
+    """
+    todo = [root or os.getpid()]
+    total = 0
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        total += _mem_kib(pid, field)
+        todo += _children(pid)
+    return total << 10
+
+
+class PeakSampler:
+    """A thread sampling, every ``interval_s``, the process tree's memory and a directory.
+
+    Use as a context manager around the measured work; read ``peak_mem`` (PSS bytes of
+    this process and its descendants, ``exclude`` pids pruned), ``peak_anon`` (the same,
+    anonymous memory only) and ``peak_dir`` (bytes under ``directory``) afterwards.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        exclude: Sequence[int] = (),
+        interval_s: float = 0.1,
+    ) -> None:
+        self.directory = directory
+        self.exclude = tuple(exclude)
+        self.interval_s = interval_s
+        self.peak_mem = 0
+        self.peak_anon = 0
+        self.peak_dir = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-peaks", daemon=True)
+
+    def sample(self) -> None:
+        self.peak_mem = max(self.peak_mem, tree_mem_bytes(exclude=self.exclude))
+        self.peak_anon = max(
+            self.peak_anon, tree_mem_bytes(exclude=self.exclude, field="Pss_Anon:")
+        )
+        if self.directory is not None:
+            self.peak_dir = max(self.peak_dir, dir_bytes(self.directory))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def maxrss_bytes() -> tuple[int, int]:
+    """``ru_maxrss`` of this process and of its largest reaped child, in bytes (Linux: KiB)."""
+    s = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return s << 10, c << 10
+
+
+# -- report furniture ----------------------------------------------------------------------
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def versions(*names: str) -> str:
+    """``python X, name Y, ...`` for the named distributions that are installed."""
+    from importlib import metadata
+
+    out = [f"python {platform.python_version()}"]
+    for name in names:
+        try:
+            out.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} -")
+    return ", ".join(out)
+
+
+def cell(values: Sequence[float], fmt: str = ",.0f") -> str:
+    """``median (min-max)`` of ``values``."""
+    if not values:
+        return "-"
+    return (
+        f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+        if len(values) > 1
+        else f"{values[0]:{fmt}}"
+    )
