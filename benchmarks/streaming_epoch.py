@@ -14,8 +14,10 @@ In the same run, and in the same repetition, the limits of ``BENCHMARKING.md``:
   the downloader's part size, bodies dropped), at the concurrency the cold epoch can have
   in flight (workers x min(max concurrency, prefetch chunks x parts per chunk));
 * (ii) raw local read: ``readinto`` of the cached chunk files in 8 MiB blocks;
-* (iii) loader ceiling: the same items held in a list, through a torch ``DataLoader`` with
-  the same workers, batch size, shuffle and collate;
+* (iii) loader ceiling: the same items held in a list, yielded by an ``IterableDataset``
+  the way ``StreamingDataset`` yields them (each worker whole batches, in the epoch order),
+  through a torch ``DataLoader`` with the same workers, batch size and collate; the same
+  list as a map-style dataset (``shuffle=`` given to the DataLoader) is shown for reference;
 * (iv) cold ceiling: items / max(T(i), T(iii), (CPU(i) client + CPU(i) object store +
   CPU(iii)) / cores): on this box the object store competes for the same cores.
 
@@ -37,14 +39,14 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import limits
 import numpy as np
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, upload
 from asynccache.testing import ObjectStore
@@ -70,8 +72,29 @@ def write_dataset(directory: Path, items: Iterable[Any], chunk_bytes: int) -> An
     return merge_dir(str(directory), [0])
 
 
+class ListIterable(IterableDataset[Any]):
+    """Items held in memory, yielded like ``StreamingDataset`` does: the loader ceiling (iii).
+
+    Each DataLoader worker yields whole batches, worker ``j`` the batches ``j, j + W, ...``
+    of the epoch order (a permutation from ``seed`` when shuffling), so the DataLoader's
+    round robin receives them in order, as from the streaming dataset.
+    """
+
+    def __init__(self, items: list[Any], batch: int, shuffle: bool, seed: int) -> None:
+        self.items, self.batch, self.shuffle, self.seed = items, batch, shuffle, seed
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        w, nw = (info.id, info.num_workers) if info else (0, 1)
+        n = len(self.items)
+        order = np.random.default_rng(self.seed).permutation(n) if self.shuffle else range(n)
+        for start in range(w * self.batch, n, nw * self.batch):
+            for i in order[start : start + self.batch]:
+                yield self.items[i]
+
+
 class ListDataset(Dataset[Any]):
-    """Items held in memory: the loader ceiling (iii)."""
+    """Items held in memory, map-style (indices sent to the workers by the DataLoader)."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
@@ -185,6 +208,7 @@ class Mode:
     raw_get: list[Epoch] = field(default_factory=list)
     raw_read: list[float] = field(default_factory=list)  # seconds
     ceiling: list[Epoch] = field(default_factory=list)
+    mapped: list[Epoch] = field(default_factory=list)  # (iii) map-style, for reference
     cold: list[Epoch] = field(default_factory=list)
     warm: list[Epoch] = field(default_factory=list)
 
@@ -196,13 +220,19 @@ def measure_raw_get(served: Served, concurrency: int) -> Epoch:
     return Epoch(served.n_items, 0.0, seconds, clock.client, clock.other)
 
 
-def measure_ceiling(served: Served, shuffle: bool, seed: int, batch: int, workers: int) -> Epoch:
+def measure_ceiling(
+    served: Served, shuffle: bool, seed: int, batch: int, workers: int
+) -> tuple[Epoch, Epoch]:
+    """(iii) over the items in a list: as an iterable like the streaming dataset, and map-style."""
     items = make_items(served.n_items, served.item_bytes)
-    loader = DataLoader(ListDataset(items), batch_size=batch, num_workers=workers, shuffle=shuffle)
+    iterable = DataLoader(
+        ListIterable(items, batch, shuffle, seed), batch_size=batch, num_workers=workers
+    )
+    mapped = DataLoader(ListDataset(items), batch_size=batch, num_workers=workers, shuffle=shuffle)
     try:
-        return timed_epoch(loader, served.store.pid)
+        return timed_epoch(iterable, served.store.pid), timed_epoch(mapped, served.store.pid)
     finally:
-        del loader, items
+        del iterable, mapped, items
 
 
 def run(args: argparse.Namespace) -> None:
@@ -232,9 +262,11 @@ def run(args: argparse.Namespace) -> None:
                 for mode in modes:
                     # Limits first, then the cold epoch, (ii) over its cache, the warm epoch.
                     mode.raw_get.append(measure_raw_get(served, concurrency))
-                    mode.ceiling.append(
-                        measure_ceiling(served, mode.shuffle, rep, args.batch, args.workers)
+                    ceiling, mapped = measure_ceiling(
+                        served, mode.shuffle, rep, args.batch, args.workers
                     )
+                    mode.ceiling.append(ceiling)
+                    mode.mapped.append(mapped)
                     cache = work / f"cache-{int(mode.shuffle)}-{rep}"
                     started = time.perf_counter()
                     loader = streaming_loader(
@@ -300,6 +332,7 @@ def report(
             ("(i) raw GET", [n / e.seconds for e in m.raw_get], "-", m.raw_get),
             ("(ii) raw local read", [n / t for t in m.raw_read], "-", None),
             ("(iii) loader ceiling", [e.rate for e in m.ceiling], "x", m.ceiling),
+            ("(iii) map-style list", [e.rate for e in m.mapped], "x", m.mapped),
             ("(iv) cold ceiling", iv, "-", None),
             ("cold epoch", [e.rate for e in m.cold], "x", m.cold),
             ("warm epoch", [e.rate for e in m.warm], "x", m.warm),
