@@ -55,7 +55,7 @@ class Settings:
     max_cache_bytes: int = 50 << 30
     max_concurrency: int = 16
     prefetch_chunks: int = 4
-    part_bytes: int = 32 << 20
+    part_bytes: int = 64 << 20
     retries: int = 5
     timeout_s: float = 60.0
     backoff_base_s: float = 0.2

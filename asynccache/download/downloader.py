@@ -22,6 +22,7 @@ from ..config import Settings
 from ..errors import ChecksumMismatchError, ObjectNotFoundError
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
+from .gate import PriorityGate
 from .parts import fetch_range, split_parts
 from .retry import RetryPolicy
 from .stats import DownloadStats
@@ -49,7 +50,8 @@ class Downloader:
         * Local storage (``storage.is_local``) is read in place: never copied, never evicted.
         * One GET per chunk per node: in-process callers share one task (single-flight);
           other processes wait on the chunk's download lock and then find it published.
-        * At most ``settings.max_concurrency`` requests are open at once in this process.
+        * At most ``settings.max_concurrency`` requests are open at once in this process;
+          a free slot goes first to a chunk some caller is waiting for, then to prefetches.
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
         * Every wait is bounded: per-attempt stall timeout, retry budget, lock-wait bound.
         * All state changes happen on the I/O thread; other threads only submit work.
@@ -82,7 +84,7 @@ class Downloader:
         self._policy = RetryPolicy(
             settings.retries, settings.backoff_base_s, settings.backoff_max_s
         )
-        self._sem = asyncio.Semaphore(settings.max_concurrency)
+        self._gate = PriorityGate(settings.max_concurrency)
         self._verify_local = verify_local
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
@@ -156,6 +158,10 @@ class Downloader:
             self._verified.add(spec.name)
         return path
 
+    def _wanted(self, name: str) -> bool:
+        """A caller is waiting for ``name`` now (not just a prefetch): it goes first."""
+        return self._waiters.get(name, 0) > 0
+
     def _start(self, spec: ChunkSpec) -> asyncio.Task[str]:
         task = self._inflight.get(spec.name)
         if task is None:
@@ -223,7 +229,7 @@ class Downloader:
                 tmp,
                 policy=self._policy,
                 timeout_s=self.settings.timeout_s,
-                semaphore=self._sem,
+                slot=functools.partial(self._gate.slot, functools.partial(self._wanted, key)),
                 stats=self.stats,
                 hasher=hasher,
             )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from ..cache.layout import TempFile
@@ -41,7 +43,7 @@ async def fetch_range(
     *,
     policy: RetryPolicy,
     timeout_s: float,
-    semaphore: asyncio.Semaphore,
+    slot: Callable[[], AbstractAsyncContextManager[None]],
     stats: DownloadStats,
     hasher: Hasher | None = None,
 ) -> None:
@@ -52,8 +54,8 @@ async def fetch_range(
 
     A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte) is
     retried after a backoff, resuming from the first byte not yet received. Each
-    attempt holds one slot of ``semaphore`` (the process's concurrency limit) while its
-    request is open, and not while it sleeps.
+    attempt holds one ``slot()`` of the process's concurrency limit while its request is
+    open, and not while it sleeps.
 
     Raises:
         RetriesExhaustedError: the retry budget ran out; names the URL, the attempts and
@@ -64,7 +66,7 @@ async def fetch_range(
     failures = 0
     while True:
         try:
-            async with semaphore:
+            async with slot():
                 await _stream(storage, key, cursor, end, out, timeout_s, stats, hasher)
             if cursor[0] < end:
                 raise TransientError(
