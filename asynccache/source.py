@@ -126,6 +126,8 @@ class DatasetSource:
                     self.settings, self.url, self.index.checksum, durable=self.settings.durable
                 )
                 self._downloader = Downloader(storage, self._store, self.settings)
+                # Closers run newest first: downloads are cancelled before sessions close.
+                get_loop_thread().register_closer(self._downloader.cancel_all)
             return self._downloader
 
     # -- chunks --------------------------------------------------------------------

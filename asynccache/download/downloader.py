@@ -51,7 +51,9 @@ class Downloader:
         * One GET per chunk per node: in-process callers share one task (single-flight);
           other processes wait on the chunk's download lock and then find it published.
         * At most ``settings.max_concurrency`` requests are open at once in this process;
-          a free slot goes first to a chunk some caller is waiting for, then to prefetches.
+          a free slot goes first to a chunk some caller is waiting for, then to prefetches,
+          and no new prefetch starts while a caller waits for a download in flight (it
+          would share that download's bandwidth: the time to the first batch).
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
         * Every wait is bounded: per-attempt stall timeout, retry budget, lock-wait bound.
         * All state changes happen on the I/O thread; other threads only submit work.
@@ -117,7 +119,7 @@ class Downloader:
             return
         self._closed = True
         try:
-            self._lt.call(self._cancel_all(), timeout)
+            self._lt.call(self.cancel_all(), timeout)
         except Exception:  # a closed I/O thread has nothing left to cancel
             log.debug("downloader close: I/O thread already gone")
 
@@ -262,13 +264,16 @@ class Downloader:
     def _pump(self) -> None:
         if self._closed:
             return
+        if any(self._waiters.get(name) for name in self._inflight):
+            return  # a reader waits for a download: new prefetches would slow it down
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue
             self._hinted.add(spec.name)
             self._start(spec)
 
-    async def _cancel_all(self) -> None:
+    async def cancel_all(self) -> None:
+        """Cancel every download in flight and forget the hint (on the I/O thread)."""
         self._queue = []
         tasks = list(self._inflight.values())
         for task in tasks:

@@ -228,9 +228,11 @@ class StreamingDataset(IterableDataset[Any]):
                 for a in range(seg.start, seg.end, _BLOCK):
                     keys = order.keys(a, min(seg.end, a + _BLOCK))
                     chunks, positions = self.index.locate_many(keys)
-                    self._hint(order, segments, seg, a, chunks)
-                    for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
+                    pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
+                    for j, (ci, pos) in enumerate(pairs):
                         item = self._reader.read(ci, pos)
+                        if j == 0:  # after the first read: it had the bandwidth to itself
+                            self._hint(order, segments, seg, a, chunks)
                         self._yielded += 1
                         yield self.transform(item) if self.transform else item
         finally:
