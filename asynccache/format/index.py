@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import posixpath
 from collections.abc import Iterable, Mapping
@@ -116,11 +117,11 @@ class Index:
     writer: int | None = None
     token: str | None = None
 
-    @property
+    @functools.cached_property
     def total_items(self) -> int:
         return sum(c.items for c in self.chunks)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.chunks)
 
@@ -141,7 +142,12 @@ class Index:
     @property
     def checksum(self) -> str:
         """A checksum of the content (chunks and their checksums), for cache identity."""
-        return checksum(json.dumps([c.to_json() for c in self.chunks], sort_keys=True).encode())
+        cached = self.__dict__.get("_checksum")
+        if cached is None:  # computed once: resume states carry it with every batch
+            doc = json.dumps([c.to_json() for c in self.chunks], sort_keys=True)
+            cached = checksum(doc.encode())
+            object.__setattr__(self, "_checksum", cached)
+        return str(cached)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Index:
