@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,6 +24,7 @@ from .format.items import compressor
 from .fsutil import atomic_write
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+_WRITTEN = re.compile(r"chunk-\d+-\d+\.bin|\d+\.index\.json")
 
 
 def writer_index_name(writer: int) -> str:
@@ -195,10 +196,14 @@ def _renumbered(parts: list[Index]) -> list[Index]:
 
 
 def remove_partial(directory: str) -> None:
-    """Delete the files of an unfinished write (no ``index.json``): chunks and writer indexes."""
+    """Delete the files of an unfinished write (no ``index.json``): chunks and writer indexes.
+
+    Only names this writer produces (``chunk-<n>-<n>.bin``, ``<n>.index.json``) are
+    touched, so other files in the directory are safe.
+    """
     if os.path.exists(os.path.join(directory, INDEX_NAME)):
         return
-    for pattern in ("chunk-*-*.bin", "*.index.json"):
-        for path in glob.glob(os.path.join(directory, pattern)):
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if _WRITTEN.fullmatch(name):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(os.path.join(directory, name))

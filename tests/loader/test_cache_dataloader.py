@@ -212,3 +212,13 @@ def test_compressed_cache_round_trips_and_is_smaller(tmp_path):
     assert (
         json.loads((tmp_path / "z" / "index.json").read_text())["config"]["compression"] == "zstd"
     )
+
+
+def test_rewriting_an_unfinished_cache_spares_other_files(tmp_path):
+    (tmp_path / "notes.index.json").write_text("{}")
+    (tmp_path / "chunk-final.bin").write_bytes(b"mine")
+    (tmp_path / "7.index.json").write_text("{}")  # a stale writer index of ours
+    list(CacheDataLoader(DictDataset(5), cache_dir=tmp_path, batch_size=2))
+    assert (tmp_path / "notes.index.json").exists() and (tmp_path / "chunk-final.bin").exists()
+    assert not (tmp_path / "7.index.json").exists()
+    assert len(Cache(tmp_path)) == 5
