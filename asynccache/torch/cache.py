@@ -147,6 +147,11 @@ class Cache:
         if not self._accept:
             return  # a repeat the loader pads with; its first copy is written elsewhere
         if self._writer is None:
+            if os.path.exists(self.index_path):
+                raise ConfigError(
+                    f"{self.input_dir} is already filled ({INDEX_NAME} exists); delete the "
+                    "directory to write the dataset again"
+                )
             writer = self._writer_id
             if writer is None:
                 writer = distributed.current().writer_id

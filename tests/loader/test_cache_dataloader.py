@@ -222,3 +222,12 @@ def test_rewriting_an_unfinished_cache_spares_other_files(tmp_path):
     assert (tmp_path / "notes.index.json").exists() and (tmp_path / "chunk-final.bin").exists()
     assert not (tmp_path / "7.index.json").exists()
     assert len(Cache(tmp_path)) == 5
+
+
+def test_writing_into_a_filled_cache_is_refused(tmp_path):
+    cache = Cache(tmp_path)
+    cache[0] = 1
+    cache.done()
+    with pytest.raises(ConfigError, match="already filled"):
+        Cache(tmp_path)[0] = 2
+    assert Cache(tmp_path)[0] == 1
