@@ -235,6 +235,7 @@ class ObjectStore:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         atexit.register(self.stop)
 
@@ -338,3 +339,19 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the parent dies, however it dies.
+
+    ``atexit`` covers a normal exit; this covers a parent killed by a signal, so no
+    server outlives the process that started it (its data is disposable, so no graceful
+    shutdown is owed). The kernel ties this to the *thread* that started the server, so
+    start it from a thread that lives as long as the server (the main thread). Linux only;
+    elsewhere a no-op.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)

@@ -110,3 +110,34 @@ async def test_failed_multipart_upload_is_aborted(
         assert b"<UploadId>" not in pending.body  # aborted, nothing left behind
     finally:
         await storage.close()
+
+
+@pytest.mark.timeout(60)
+def test_objstore_dies_with_a_killed_parent(tmp_path):
+    """A parent killed by SIGKILL runs no atexit: the server must still go."""
+    import signal as _signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import time\n"
+        "from asynccache.testing import ObjectStore\n"
+        "s = ObjectStore(); s.start(); print(s.pid, flush=True); time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        parent.send_signal(_signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"weed {pid} outlived its killed parent")
+    finally:
+        parent.kill()
+        parent.stdout.close()
