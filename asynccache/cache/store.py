@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 EVICT_LOCK = ".evict.lock"
 _EVICT_LOCK_TIMEOUT_S = 30.0
+_TRIM_WAIT_S = 1.0
 
 
 class ChunkStore:
@@ -237,16 +239,22 @@ class ChunkStore:
     def _evict_after_unpin(self) -> None:
         """Pins may have kept the cache over budget: trim it now that one is released.
 
-        Only when this process's last view of the cache was over budget, and only if no
-        other process is evicting at this moment (never blocks).
+        Only when this process's last view of the cache was over budget. Another
+        process (or this one's I/O thread) may be evicting: wait for it, briefly and
+        bounded (an eviction is a scan and a few unlinks), then trim; if the wait runs
+        out, the next reservation trims instead.
         """
         if self._estimate <= self.max_cache_bytes:
             return
         lock = self.cache_dir / EVICT_LOCK
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            if try_lock(fd, exclusive=True):
-                self._evict_locked(0)
+            deadline = time.monotonic() + _TRIM_WAIT_S
+            while not try_lock(fd, exclusive=True):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.005)
+            self._evict_locked(0)
         finally:
             os.close(fd)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -24,12 +25,14 @@ def written(tmp_path_factory):
 
 
 def chunk_bytes(root) -> int:
-    return sum(
-        os.path.getsize(os.path.join(d, f))
-        for d, _, files in os.walk(root)
-        for f in files
-        if f.startswith("chunk-") and f.endswith(".bin")
-    )
+    """Bytes of published chunks under ``root`` (files evicted while we look count 0)."""
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.startswith("chunk-") and f.endswith(".bin"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(d, f))
+    return total
 
 
 def test_opening_reads_only_the_index(written, http_origin, tmp_path):
@@ -78,8 +81,9 @@ def test_streaming_stays_within_the_budget(written, objstore, bucket, tmp_path):
         pinned = sum(1 for _ in ds.source._store.pinned()) if ds.source._store else 0
         peak = max(peak, chunk_bytes(tmp_path / "c") - pinned * size)
     assert sorted(seen) == list(range(N))
-    assert peak <= budget, f"cache held {peak} unpinned bytes over a budget of {budget}"
-    assert chunk_bytes(tmp_path / "c") <= budget + size
+    # While running, a prefetch may be published between the two reads above: one chunk.
+    assert peak <= budget + size, f"cache held {peak} unpinned bytes, budget {budget}"
+    assert chunk_bytes(tmp_path / "c") <= budget, "all released: within the budget"
 
 
 def test_works_with_a_plain_torch_dataloader(written):
