@@ -22,7 +22,12 @@ from .config import Settings
 from .download.downloader import ChunkSpec, Downloader
 from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
-from .errors import ObjectNotFoundError, StorageTimeoutError, TransientError
+from .errors import (
+    ObjectNotFoundError,
+    RetriesExhaustedError,
+    StorageTimeoutError,
+    TransientError,
+)
 from .format import INDEX_NAME, ChunkEntry, Index
 from .storage import open_storage
 from .storage.base import Storage
@@ -96,7 +101,13 @@ class DatasetSource:
                 except (TransientError, asyncio.TimeoutError) as exc:
                     failures += 1
                     if not policy.should_retry(failures):
-                        raise
+                        url = storage.object_url(INDEX_NAME)
+                        raise RetriesExhaustedError(
+                            f"gave up on {url} after {failures} attempts; last error: "
+                            f"{exc or type(exc).__name__}",
+                            url=url,
+                            attempts=failures,
+                        ) from exc
                     await asyncio.sleep(policy.delay(failures, getattr(exc, "retry_after", None)))
 
         budget = (self.settings.timeout_s + self.settings.backoff_max_s) * (

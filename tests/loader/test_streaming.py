@@ -102,3 +102,19 @@ def test_random_access_and_transform(written):
     assert ds[7] == 14 and ds[N - 1] == 2 * (N - 1)
     with pytest.raises(IndexError):
         ds[N]
+
+
+@pytest.mark.timeout(30)
+def test_index_behind_a_failing_server_gives_up_in_bounded_time(written, http_origin, tmp_path):
+    from asynccache import RetriesExhaustedError
+    from asynccache.testing.faults import Fault, FaultProxy
+
+    server = http_origin(written)
+    settings = Settings.from_env(retries=2, backoff_base_s=0.01, backoff_max_s=0.05)
+    with FaultProxy(server.url) as proxy:
+        proxy.add_fault(Fault("status", times=2, status=503, path="index.json"))
+        ds = StreamingDataset(proxy.url, cache_dir=tmp_path / "a", settings=settings)
+        assert len(ds) == N, "two 503s, then the retry succeeds"
+        proxy.add_fault(Fault("status", times=10, status=503, path="index.json"))
+        with pytest.raises(RetriesExhaustedError, match=r"index\.json after 3 attempts"):
+            StreamingDataset(proxy.url, cache_dir=tmp_path / "b", settings=settings)
