@@ -20,6 +20,7 @@ from . import distributed
 
 STATE_VERSION = 1
 _BLOCK = 512  # positions materialised at a time; bounds memory per worker
+_LOOKAHEAD = 8192  # positions scanned at a time when looking for the next chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,9 +250,9 @@ class StreamingDataset(IterableDataset[Any]):
         for lo, hi in later:
             pos = lo
             while pos < hi and len(seen) < want:
-                nxt = order.keys(pos, min(hi, pos + _BLOCK))
+                nxt = order.keys(pos, min(hi, pos + _LOOKAHEAD))
                 seen.update(dict.fromkeys(self.index.locate_many(nxt)[0].tolist()))
-                pos += _BLOCK
+                pos += _LOOKAHEAD
             if len(seen) >= want:
                 break
         self.source.hint(list(seen)[:want])
