@@ -89,6 +89,11 @@ class CacheDataLoader:
         self._stream: StreamingDataset | None = None
         self._owned = False
         if isinstance(dataset, StreamingDataset):
+            if shuffle and not dataset.shuffle:
+                raise ConfigError(
+                    "a StreamingDataset orders its own items: pass shuffle=True (and seed) "
+                    "to StreamingDataset, not to CacheDataLoader"
+                )
             self._stream = dataset
             self.cache = None
         else:

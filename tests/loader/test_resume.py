@@ -146,3 +146,10 @@ def test_the_writing_epoch_resumes_exactly(tmp_path):
         CacheDataLoader(
             DictDataset(30), cache_dir=tmp_path / "other", batch_size=3, num_workers=1
         ).load_state_dict(state)
+
+
+def test_shuffle_belongs_to_the_streaming_dataset(written):
+    from asynccache import ConfigError
+
+    with pytest.raises(ConfigError, match="StreamingDataset"):
+        CacheDataLoader(StreamingDataset(written), shuffle=True)
