@@ -1,0 +1,107 @@
+"""The one owner of fork hygiene: what a forked child must not inherit.
+
+A ``flock`` belongs to the open file description, so a child that inherits a descriptor
+keeps the parent's lock alive after the parent closes its own copy. A ``threading.Lock``
+held by another thread at the moment of ``fork`` stays locked forever in the child, whose
+copy of that thread does not exist. And tables that describe what "this process" holds
+(pins, open chunks, sessions) describe the parent, not the child.
+
+So everything in the library that opens a descriptor which may carry a lock, or holds a
+mutex or a per-process table, registers here:
+
+* :func:`track_fd` / :func:`close_fd`: a descriptor the child must close at once;
+* :func:`register`: an object whose ``_after_fork_in_child()`` resets its state (new
+  mutexes, empty tables, descriptors forgotten, not closed twice).
+
+In the child, every tracked descriptor is closed first, then every registered object is
+reset, before any code of the child runs. The parent is untouched. ``spawn`` and
+``forkserver`` children start from a fresh interpreter and need none of this, but the
+same tests run under all three start methods.
+
+Layer: stdlib only; every other module may import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from typing import Protocol
+
+__all__ = ["ForkResettable", "close_fd", "register", "track_fd", "tracked_fds", "untrack_fd"]
+
+
+class ForkResettable(Protocol):
+    def _after_fork_in_child(self) -> None: ...
+
+
+class _Registry:
+    """Descriptors and objects to reset in a forked child. Invariant: ``mu`` is held only
+    for set operations (never across I/O), and across ``fork`` itself, so the child never
+    sees a half-updated set."""
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.fds: set[int] = set()
+        self.objects: weakref.WeakSet[ForkResettable] = weakref.WeakSet()
+
+    def before_fork(self) -> None:
+        self.mu.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self.mu.release()
+
+    def after_fork_in_child(self) -> None:
+        self.mu = threading.Lock()
+        fds, self.fds = self.fds, set()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for obj in list(self.objects):
+            obj._after_fork_in_child()
+
+
+_registry = _Registry()
+
+
+def track_fd(fd: int) -> int:
+    """Close ``fd`` in any child forked while it is tracked; returns ``fd``."""
+    with _registry.mu:
+        _registry.fds.add(fd)
+    return fd
+
+
+def untrack_fd(fd: int) -> None:
+    """Stop tracking ``fd`` (call it before closing the descriptor)."""
+    with _registry.mu:
+        _registry.fds.discard(fd)
+
+
+def close_fd(fd: int) -> None:
+    """Untrack and close ``fd``."""
+    untrack_fd(fd)
+    os.close(fd)
+
+
+def tracked_fds() -> frozenset[int]:
+    """The descriptors a child forked now would close (for tests and ``__repr__``)."""
+    with _registry.mu:
+        return frozenset(_registry.fds)
+
+
+def register(obj: ForkResettable) -> None:
+    """Call ``obj._after_fork_in_child()`` in every child forked while ``obj`` lives.
+
+    Held weakly. Tracked descriptors are already closed when it runs: the object must
+    forget them, not close them again (the numbers may be reused by then).
+    """
+    with _registry.mu:
+        _registry.objects.add(obj)
+
+
+os.register_at_fork(
+    before=_registry.before_fork,
+    after_in_parent=_registry.after_fork_in_parent,
+    after_in_child=_registry.after_fork_in_child,
+)
