@@ -12,7 +12,9 @@ from .errors import (
     CacheError,
     ChecksumMismatchError,
     ConfigError,
+    CorruptIndexError,
     DataError,
+    DiskFullError,
     ObjectNotFoundError,
     ResumeStateError,
     RetriesExhaustedError,
@@ -23,6 +25,7 @@ from .errors import (
     TruncatedChunkError,
     UnsafePathError,
     UnsupportedVersionError,
+    WriteConflictError,
 )
 from .prefetch import prefetch
 from .torch.cache import Cache, CacheNotFilledError
@@ -43,7 +46,9 @@ __all__ = [
     "CacheNotFilledError",
     "ChecksumMismatchError",
     "ConfigError",
+    "CorruptIndexError",
     "DataError",
+    "DiskFullError",
     "DownloadStats",
     "Fetcher",
     "FetcherStats",
@@ -60,6 +65,7 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedVersionError",
     "UploadSummary",
+    "WriteConflictError",
     "__version__",
     "prefetch",
     "upload",

@@ -17,9 +17,12 @@ Each class also inherits the builtin a caller would already catch, so
     │   ├── TruncatedChunkError            shorter than its header or index says
     │   ├── ChecksumMismatchError          bytes differ from the index's checksum
     │   ├── BadIndexError                  index.json malformed or inconsistent
-    │   │   └── UnsafePathError            index names a path outside its directory
+    │   │   ├── UnsafePathError            index names a path outside its directory
+    │   │   └── CorruptIndexError          index.json bytes differ from its own checksum
     │   └── SerializationError (TypeError) an item holds a leaf we can't store
-    ├── CacheError (OSError)               local cache directory problems (e.g. disk full)
+    ├── CacheError (OSError)               local cache directory problems
+    │   ├── DiskFullError                  the cache's filesystem is full, even after evicting
+    │   └── WriteConflictError             another job is writing the same output directory
     ├── ResumeStateError (ValueError)      a state_dict that doesn't fit this loader
     └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
 
@@ -38,7 +41,9 @@ __all__ = [
     "CacheError",
     "ChecksumMismatchError",
     "ConfigError",
+    "CorruptIndexError",
     "DataError",
+    "DiskFullError",
     "ObjectNotFoundError",
     "ResumeStateError",
     "RetriesExhaustedError",
@@ -49,6 +54,7 @@ __all__ = [
     "TruncatedChunkError",
     "UnsafePathError",
     "UnsupportedVersionError",
+    "WriteConflictError",
 ]
 
 
@@ -129,6 +135,14 @@ class UnsafePathError(BadIndexError):
     """The index names a path outside the dataset directory."""
 
 
+class CorruptIndexError(BadIndexError):
+    """``index.json`` does not match the checksum it carries: damaged in transit or on disk.
+
+    Readers fetch a remote index again (a transient fault) and raise this only once the
+    retry budget is spent.
+    """
+
+
 class SerializationError(DataError, TypeError):
     """An item contains a leaf type that cannot be stored."""
 
@@ -138,6 +152,14 @@ class CacheError(AsyncCacheError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DiskFullError(CacheError):
+    """The filesystem holding the cache is full, even after evicting what could go."""
+
+
+class WriteConflictError(CacheError):
+    """Another job is writing into the same output directory (its lock is held)."""
 
 
 class ResumeStateError(AsyncCacheError, ValueError):
