@@ -22,6 +22,11 @@ The keys of all chunks together are exactly ``0 .. total_items - 1``.
 
 Per-writer indexes (``{writer}.index.json``) use the same schema plus ``"writer"`` and
 ``"token"`` (identifying one write pass); ``merge`` combines them into ``index.json``.
+
+Every index the writer produces ends with ``"index_checksum": "xxh3_64:<16 hex>"``, the
+checksum of the file's own bytes without that member (see :func:`seal`), so a damaged
+index is refused (``CorruptIndexError``) instead of read as a different dataset. Indexes
+without the member (older writers, hand-made) are still read, unverified.
 """
 
 from __future__ import annotations
@@ -31,18 +36,29 @@ import dataclasses
 import functools
 import json
 import posixpath
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from ..errors import BadIndexError, UnsafePathError
+from ..errors import BadIndexError, CorruptIndexError, UnsafePathError
 
 FORMAT = "asynccache-index"
 VERSION = 1
 INDEX_NAME = "index.json"
 CHECKSUM_ALGO = "xxh3_64"
+INDEX_CHECKSUM_FIELD = "index_checksum"
+# The last member of a sealed index, byte for byte (docs/format.md, "Index checksum").
+_SEAL = re.compile(
+    rb',\n "'
+    + INDEX_CHECKSUM_FIELD.encode()
+    + rb'": "('
+    + CHECKSUM_ALGO.encode()
+    + rb':[0-9a-f]{16})"\n}\n\Z'
+)
+_BODY_END = "\n}\n"
 
 
 def new_hasher() -> Any:
@@ -59,6 +75,50 @@ def checksum(data: Any) -> str:
     h = new_hasher()
     h.update(data)
     return format_checksum(h)
+
+
+def seal(body: str) -> str:
+    """Append the ``index_checksum`` member to a canonical index body.
+
+    ``body`` is ``json.dumps(doc, indent=1, sort_keys=True) + "\\n"``, so it ends with
+    ``"\\n}\\n"``. The result is ``body`` with that end replaced by
+    ``',\\n "index_checksum": "xxh3_64:<hex>"\\n}\\n'``, where ``<hex>`` is the xxh3_64 of
+    the UTF-8 bytes of ``body``. Removing that member and putting ``"\\n}\\n"`` back gives
+    ``body`` again, byte for byte: that is how a reader verifies it.
+    """
+    if not body.endswith(_BODY_END):
+        raise ValueError("an index body must end with a closing brace on its own line")
+    digest = checksum(body.encode())
+    return f'{body[: -len(_BODY_END)]},\n "{INDEX_CHECKSUM_FIELD}": "{digest}"{_BODY_END}'
+
+
+def _verify_seal(data: bytes, doc: dict[str, Any], where: str) -> bool:
+    """Check the ``index_checksum`` member of a parsed index; True when it was present.
+
+    Raises:
+        CorruptIndexError: the member is damaged, or the bytes don't match it.
+    """
+    if INDEX_CHECKSUM_FIELD not in doc:
+        # A damaged member name would look like an older, unsealed index: a top-level
+        # checksum string under any other name can only be that.
+        if any(isinstance(v, str) and v.startswith(CHECKSUM_ALGO + ":") for v in doc.values()):
+            raise CorruptIndexError(
+                f"{where}: damaged: its {INDEX_CHECKSUM_FIELD} member is garbled"
+            )
+        return False
+    m = _SEAL.search(data)
+    if m is None or doc[INDEX_CHECKSUM_FIELD] != m.group(1).decode():
+        raise CorruptIndexError(
+            f"{where}: damaged or edited: its {INDEX_CHECKSUM_FIELD} member is not the "
+            "last line the writer put there"
+        )
+    actual = checksum(data[: m.start()] + _BODY_END.encode())
+    if actual != m.group(1).decode():
+        raise CorruptIndexError(
+            f"{where}: damaged: its bytes hash to {actual}, but it records "
+            f"{INDEX_CHECKSUM_FIELD} {m.group(1).decode()}"
+        )
+    return True
 
 
 def check_filename(name: Any, where: str) -> str:
@@ -116,6 +176,8 @@ class Index:
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     writer: int | None = None
     token: str | None = None
+    #: True when the file carried an ``index_checksum`` and its bytes matched it.
+    verified: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     @functools.cached_property
     def total_items(self) -> int:
@@ -137,7 +199,7 @@ class Index:
         if self.writer is not None:
             doc["writer"] = self.writer
             doc["token"] = self.token
-        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        return seal(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
     @property
     def checksum(self) -> str:
@@ -151,11 +213,21 @@ class Index:
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Index:
-        """Parse and validate. Raises BadIndexError / UnsafePathError naming ``where``."""
+        """Parse, verify and validate.
+
+        Raises:
+            CorruptIndexError: the index carries an ``index_checksum`` its bytes don't
+                match (damaged in transit or on disk).
+            BadIndexError, UnsafePathError: not a valid index. All name ``where``.
+        """
+        data = text.encode() if isinstance(text, str) else bytes(text)
         try:
-            doc = json.loads(text)
+            doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadIndexError(f"{where}: not valid JSON ({exc})") from exc
+        # Verified before anything else is read: a damaged key or value must be reported
+        # as damage, not as whatever schema error it happens to look like.
+        verified = isinstance(doc, dict) and _verify_seal(data, doc, where)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise BadIndexError(f"{where}: not an asynccache index (missing format marker)")
         if doc.get("version") != VERSION:
@@ -170,7 +242,13 @@ class Index:
                 chunks.append(_entry(c, where, first))
                 first += chunks[-1].items
             chunks = tuple(chunks)
-            idx = cls(chunks, dict(doc.get("config") or {}), doc.get("writer"), doc.get("token"))
+            idx = cls(
+                chunks,
+                dict(doc.get("config") or {}),
+                doc.get("writer"),
+                doc.get("token"),
+                verified=verified,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, BadIndexError):
                 raise

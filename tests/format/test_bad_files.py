@@ -20,6 +20,7 @@ from asynccache.errors import (
     UnsupportedVersionError,
 )
 from asynccache.format import Index, checksum
+from asynccache.format.index import INDEX_CHECKSUM_FIELD
 from asynccache.torch.cache import Cache
 
 
@@ -32,6 +33,13 @@ def written(tmp_path):
     return tmp_path
 
 
+def load_unsealed(path):
+    """The index as a dict, without its ``index_checksum``: edited by hand, it is unsealed."""
+    doc = json.load(open(path))
+    doc.pop(INDEX_CHECKSUM_FIELD)
+    return doc
+
+
 def rewrite_chunk(directory, mutate, *, fix_index=True):
     """Apply ``mutate`` to chunk-0-0.bin; optionally make the index agree (size, checksum)."""
     path = os.path.join(directory, "chunk-0-0.bin")
@@ -40,7 +48,7 @@ def rewrite_chunk(directory, mutate, *, fix_index=True):
     open(path, "wb").write(data)
     if fix_index:
         idx_path = os.path.join(directory, "index.json")
-        doc = json.load(open(idx_path))
+        doc = load_unsealed(idx_path)
         doc["chunks"][0]["bytes"] = len(data)
         doc["chunks"][0]["checksum"] = checksum(bytes(data))
         doc["total_bytes"] = sum(c["bytes"] for c in doc["chunks"])
@@ -117,7 +125,7 @@ def test_malformed_index(tmp_path, text):
 
 
 def test_index_totals_must_agree(written):
-    doc = json.load(open(written / "index.json"))
+    doc = load_unsealed(written / "index.json")
     doc["total_items"] += 1
     json.dump(doc, open(written / "index.json", "w"))
     with pytest.raises(BadIndexError, match="total_items"):
@@ -125,7 +133,7 @@ def test_index_totals_must_agree(written):
 
 
 def test_index_keys_must_cover_every_item(written):
-    doc = json.load(open(written / "index.json"))
+    doc = load_unsealed(written / "index.json")
     doc["chunks"][1]["keys"] = [[100, doc["chunks"][1]["items"]]]
     json.dump(doc, open(written / "index.json", "w"))
     with pytest.raises(BadIndexError, match="keys"):
@@ -136,7 +144,7 @@ def test_index_keys_must_cover_every_item(written):
     "name", ["../x.bin", "/etc/passwd", "a/../../x", "sub/x.bin", "..", "C:\\x", "a\\..\\x"]
 )
 def test_index_path_outside_directory(written, name):
-    doc = json.load(open(written / "index.json"))
+    doc = load_unsealed(written / "index.json")
     doc["chunks"][0]["filename"] = name
     json.dump(doc, open(written / "index.json", "w"))
     with pytest.raises(UnsafePathError, match="outside"):
