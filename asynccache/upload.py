@@ -1,15 +1,27 @@
 """``upload``: copy a written dataset directory to any storage URL.
 
-Invariant: ``index.json`` is uploaded last and only after every other file succeeded, so
-a reader that finds ``index.json`` at the destination finds every chunk it names. A
-re-run skips files already present with the same size (``index.json`` is always
-re-sent, being the commit). Hidden files and ``*.tmp`` (unfinished writes) are skipped.
+Invariants:
+
+* ``index.json`` is uploaded last and only after every other file succeeded, so a reader
+  that finds ``index.json`` at the destination finds every chunk it names.
+* Whenever the destination holds an ``index.json`` written by ``upload``, every chunk it
+  names holds exactly the bytes it records. So before a re-upload overwrites a chunk,
+  the old ``index.json`` is deleted (the destination is uncommitted until the new one
+  lands): an interrupted re-upload never leaves an index vouching for replaced bytes.
+* A chunk is skipped only when it is provably there already: the destination's
+  ``index.json`` (parsed and verified) records it with the same checksum and size as the
+  local index, and the object has that size. Anything else (no remote index, a damaged
+  one, no record, another checksum) is sent. ``index.json`` is always re-sent, being the
+  commit; other files (per-writer indexes) carry no record and are always sent.
+
+Hidden files and ``*.tmp`` (unfinished writes) are never uploaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -21,12 +33,14 @@ from tqdm import tqdm
 
 from .bridge import get_loop_thread
 from .config import Settings
-from .errors import ConfigError
-from .format import INDEX_NAME
+from .errors import ConfigError, DataError, ObjectNotFoundError
+from .format import INDEX_NAME, Index
 from .storage import Storage, open_storage
 from .storage.transport import gather_or_cancel
 
-__all__ = ["UploadSummary", "upload", "upload_async"]
+__all__ = ["UploadSummary", "plan_upload", "upload", "upload_async"]
+
+log = logging.getLogger(__name__)
 
 _MAX_PARALLEL_FILES = 8
 # Outer bound on one sync ``upload`` call. Every request inside already has its own
@@ -45,7 +59,8 @@ class UploadSummary:
         objects: files sent in this call (including ``index.json``).
         bytes: bytes sent in this call.
         seconds: wall time of the call.
-        skipped: files already present with the same size, not sent again.
+        skipped: chunks the destination's ``index.json`` already records with the same
+            checksum and size, not sent again.
     """
 
     objects: int
@@ -99,10 +114,20 @@ async def upload_async(
     started = time.monotonic()
     root = Path(local_dir)
     files = await asyncio.to_thread(_dataset_files, root)
+    local_index = await asyncio.to_thread(_read_local_index, root)
     remote = {o.key: o.size for o in await storage.list()}
-    todo = [(k, s) for k, s in files if k == INDEX_NAME or remote.get(k) != s]
+    remote_index = await _remote_index(storage) if INDEX_NAME in remote else None
+    todo = plan_upload(files, local_index, remote_index, remote)
     skipped = len(files) - len(todo)
     chunks = [(k, s) for k, s in todo if k != INDEX_NAME]
+    if INDEX_NAME in remote and any(k in remote for k, _ in chunks):
+        # Uncommit before overwriting: the old index must never vouch for new bytes,
+        # or a later upload (or reader) would trust chunks that changed under it.
+        await storage.delete(INDEX_NAME)
+    if skipped:
+        log.info(
+            "upload %s: %d chunks already there (same checksum), skipped", storage.url, skipped
+        )
     show = settings.progress and sys.stderr.isatty()
     gate = asyncio.Semaphore(max(1, min(_MAX_PARALLEL_FILES, settings.max_concurrency)))
     sent = 0
@@ -127,6 +152,54 @@ async def upload_async(
     return UploadSummary(
         objects=len(todo), bytes=sent, seconds=time.monotonic() - started, skipped=skipped
     )
+
+
+def plan_upload(
+    files: list[tuple[str, int]],
+    local: Index,
+    remote_index: Index | None,
+    remote_sizes: Mapping[str, int],
+) -> list[tuple[str, int]]:
+    """The ``(key, size)`` of ``files`` to send; the rest are provably at the destination.
+
+    A chunk is skipped only when the local index and the destination's index record it
+    with the same checksum and size and the destination's object has that size (the
+    local file, too). ``index.json`` is always sent. Pure: no I/O.
+    """
+    if remote_index is None:
+        return list(files)
+    here = {c.filename: c for c in local.chunks}
+    there = {c.filename: c for c in remote_index.chunks}
+    todo = []
+    for key, size in files:
+        mine, theirs = here.get(key), there.get(key)
+        same = (
+            key != INDEX_NAME
+            and mine is not None
+            and theirs is not None
+            and mine.checksum == theirs.checksum
+            and mine.bytes == theirs.bytes == size == remote_sizes.get(key)
+        )
+        if not same:
+            todo.append((key, size))
+    return todo
+
+
+def _read_local_index(root: Path) -> Index:
+    path = root / INDEX_NAME
+    return Index.from_json(path.read_bytes(), str(path))
+
+
+async def _remote_index(storage: Storage) -> Index | None:
+    """The destination's ``index.json`` if it can be trusted; None when absent or damaged."""
+    url = storage.object_url(INDEX_NAME)
+    try:
+        return Index.from_json(await storage.read(INDEX_NAME), url)
+    except ObjectNotFoundError:
+        return None
+    except DataError as exc:  # damaged or foreign: it proves nothing, so nothing is skipped
+        log.warning("upload: ignoring %s (%s); every chunk is sent", url, exc)
+        return None
 
 
 def _dataset_files(root: Path) -> list[tuple[str, int]]:

@@ -303,13 +303,22 @@ def file_checksum(fd: int, size: int) -> str:
 def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str, streamed: str | None) -> None:
     assert tmp.fd is not None
     actual_size = os.fstat(tmp.fd).st_size
+    # A second mismatch after the retry means the object itself changed: most likely
+    # the dataset was rewritten at this URL after this reader opened its index.json.
+    stale = (
+        "no longer matches the index.json this reader opened (the dataset was likely "
+        "rewritten at this URL since; open it again to read the new version)"
+    )
     if actual_size != tmp.size:
-        raise ChecksumMismatchError(f"{url}: got {actual_size} bytes, index says {tmp.size}")
+        raise ChecksumMismatchError(
+            f"{url}: {stale}: got {actual_size} bytes, the index says {tmp.size}"
+        )
     if spec.checksum:
         actual = streamed or file_checksum(tmp.fd, tmp.size)
         if actual != spec.checksum.lower():
             raise ChecksumMismatchError(
-                f"{url} (cached as {tmp.final}): xxh3_64 {actual} != index {spec.checksum}"
+                f"{url}: {stale}: xxh3_64 {actual}, the index says {spec.checksum}"
+                f" (would be cached as {tmp.final})"
             )
 
 
