@@ -3,14 +3,20 @@
 Layout::
 
     <cache_dir>/
-      .evict.lock                       serialises eviction across processes
+      .evict.lock                       serialises eviction; holds the usage ledger
       <dataset id>/                     one per (source URL, index checksum)
         chunk-0-0.bin                   published chunks: complete and verified
         .chunk-0-1.bin.<pid>.<rand>.tmp a download in progress (its writer holds a flock)
+        .locks/.asynccache-dataset      marker: this directory belongs to the cache
         .locks/chunk-0-1.bin.lock       the chunk's download lock (flock, empty file)
 
 A published name is only ever created by ``os.replace`` of a complete, verified, fsynced
 temporary file, so a reader never sees a partial chunk, even after a crash.
+
+The cache touches only what it created: directories holding the marker, and in them only
+chunk names (:func:`is_chunk_name`) and our temporary names (:func:`is_temp_name`).
+Every descriptor that may carry a flock is tracked by :mod:`asynccache.forksafe`, so a
+forked child never keeps a lock of its parent alive.
 """
 
 from __future__ import annotations
@@ -19,23 +25,35 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import CacheError
+from .. import forksafe
+from ..errors import CacheError, DiskFullError
 from .locks import try_lock
 
 __all__ = [
+    "DATASET_MARKER",
     "LOCK_DIR",
     "TempFile",
     "dataset_dir",
+    "ensure_dataset_dir",
     "fsync_dir",
+    "is_chunk_name",
+    "is_dataset_dir",
     "is_temp_name",
     "sweep_orphans",
 ]
 
 LOCK_DIR = ".locks"
+DATASET_MARKER = f"{LOCK_DIR}/.asynccache-dataset"
 _TMP_SUFFIX = ".tmp"
+# ``chunk-<writer>-<n>.bin`` as the writer names them; any ``chunk-*.bin`` is accepted.
+_CHUNK_RE = re.compile(r"chunk-[^/]*\.bin")
+# ``.<final name>.<pid>.<8 hex>.tmp``, exactly what TempFile creates.
+_TEMP_RE = re.compile(r"\.(?P<final>[^/]+)\.[0-9]+\.[0-9a-f]{8}\.tmp")
 
 
 def dataset_dir(cache_dir: str | os.PathLike[str], source_url: str, index_checksum: str) -> Path:
@@ -50,13 +68,50 @@ def dataset_dir(cache_dir: str | os.PathLike[str], source_url: str, index_checks
 
 def is_temp_name(name: str) -> bool:
     """True for names written by :class:`TempFile` (``.<name>.<pid>.<rand>.tmp``)."""
-    return name.startswith(".") and name.endswith(_TMP_SUFFIX)
+    return _TEMP_RE.fullmatch(name) is not None
+
+
+def is_chunk_name(name: str) -> bool:
+    """True for the chunk names the cache counts and evicts: ``chunk-*.bin``."""
+    return _CHUNK_RE.fullmatch(name) is not None
+
+
+def is_chunk_temp_name(name: str) -> bool:
+    """True for a :class:`TempFile` name whose final name is a chunk name."""
+    m = _TEMP_RE.fullmatch(name)
+    return m is not None and is_chunk_name(m["final"])
+
+
+def is_dataset_dir(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory the cache created (it holds the marker file)."""
+    return os.path.isfile(os.path.join(path, DATASET_MARKER))
+
+
+def ensure_dataset_dir(root: str | os.PathLike[str]) -> None:
+    """Create ``root`` (and its parents), its lock directory and its marker. Idempotent.
+
+    Called when a store opens its directory and again whenever it finds the layout gone
+    (``rm -rf`` of the cache underneath a running job): the cache is then rebuilt.
+
+    Raises:
+        CacheError: the directory cannot be created (names it).
+    """
+    try:
+        os.makedirs(os.path.join(root, LOCK_DIR), exist_ok=True)
+        marker = os.path.join(root, DATASET_MARKER)
+        if not os.path.exists(marker):
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    except OSError as exc:
+        raise cache_error(exc, root) from exc
 
 
 def cache_error(exc: OSError, directory: str | os.PathLike[str]) -> CacheError:
-    """Translate a local OSError (disk full, permissions) into a CacheError naming the dir."""
-    if exc.errno == errno.ENOSPC:
-        return CacheError(f"no space left on the device holding the cache dir {directory}")
+    """Translate a local OSError (disk full, permissions) into a CacheError naming the dir.
+
+    A full disk becomes :class:`DiskFullError`.
+    """
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left on the device holding the cache dir {directory}")
     return CacheError(f"cache dir {directory}: {exc.strerror or exc}")
 
 
@@ -75,23 +130,54 @@ class TempFile:
     Invariants:
         * While this object is open its writer holds a flock on the file, so a sweeper
           that can lock a temporary file exclusively knows its writer is dead.
+        * The descriptor is tracked by :mod:`asynccache.forksafe`: a forked child closes
+          its copy at once and this object forgets it there, so only the writer's own
+          process keeps the file "alive" (and, once published, held shared).
         * :meth:`publish` makes the final name appear complete or not at all
           (fsync, then ``os.replace``, then fsync of the directory).
         * After :meth:`publish` or :meth:`discard` the descriptor is closed.
+
+    Args:
+        final: the published name.
+        size: bytes to preallocate.
+        durable: fsync the file and its directory around the rename.
+        ensure_dir: called once when the directory is missing (deleted underneath),
+            to rebuild it before trying again.
+
+    Raises:
+        DiskFullError: preallocation found the disk full (names the directory).
+        CacheError: the file cannot be created.
     """
 
-    def __init__(self, final: Path, size: int, *, durable: bool = True) -> None:
+    def __init__(
+        self,
+        final: Path,
+        size: int,
+        *,
+        durable: bool = True,
+        ensure_dir: Callable[[], None] | None = None,
+    ) -> None:
         self.final = final
         self.size = size
         self.durable = durable
+        self.fd: int | None = None
         directory = final.parent
-        for _ in range(3):
+        rebuilt = ensure_dir is None
+        for _ in range(4):
             name = f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             self.path = directory / name
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError as exc:
+                if rebuilt:
+                    raise cache_error(exc, directory) from exc
+                assert ensure_dir is not None
+                ensure_dir()  # the directory was deleted underneath us: rebuild, retry
+                rebuilt = True
+                continue
             except OSError as exc:
                 raise cache_error(exc, directory) from exc
+            forksafe.track_fd(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
             # A sweeper may have taken the file between open and flock: make sure the
             # name still points at our inode, otherwise start again with a new name.
@@ -101,10 +187,11 @@ class TempFile:
                 same = False
             if same:
                 break
-            os.close(fd)
+            forksafe.close_fd(fd)
         else:
             raise CacheError(f"cannot create a temporary file in {directory}")
-        self.fd: int | None = fd
+        self.fd = fd
+        forksafe.register(self)
         try:
             if size > 0:
                 os.posix_fallocate(fd, 0, size)
@@ -113,7 +200,12 @@ class TempFile:
             raise cache_error(exc, directory) from exc
 
     def pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        """Write ``data`` at ``offset`` (parts of one chunk are written in place, any order)."""
+        """Write ``data`` at ``offset`` (parts of one chunk are written in place, any order).
+
+        Raises:
+            DiskFullError: the disk filled up (a filesystem whose preallocation does not
+                reserve blocks, e.g. copy-on-write); the caller may evict and retry.
+        """
         assert self.fd is not None
         try:
             while data:
@@ -142,7 +234,7 @@ class TempFile:
             self._close()
 
     def discard(self) -> None:
-        """Remove the temporary file. Idempotent."""
+        """Remove the temporary file. Idempotent; a no-op in a forked child."""
         if self.fd is None:
             return
         try:
@@ -155,14 +247,19 @@ class TempFile:
     def _close(self) -> None:
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            os.close(fd)
+            forksafe.close_fd(fd)
+
+    def _after_fork_in_child(self) -> None:
+        # forksafe already closed the descriptor; the file belongs to the parent.
+        self.fd = None
 
 
 def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
     """Delete temporary files whose writer is gone (nobody holds their flock).
 
-    Returns the names removed. A file a live writer is using is never removed: its lock
-    makes the exclusive, non-blocking flock fail here.
+    Returns the names removed. Only names :class:`TempFile` creates are looked at. A file
+    a live writer is using is never removed: its lock makes the exclusive, non-blocking
+    flock fail here.
     """
     removed: list[str] = []
     try:
@@ -173,7 +270,7 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
         if not is_temp_name(entry.name):
             continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = forksafe.track_fd(os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC))
         except FileNotFoundError:
             continue
         try:
@@ -183,5 +280,5 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
         except FileNotFoundError:
             pass
         finally:
-            os.close(fd)
+            forksafe.close_fd(fd)
     return removed

@@ -2,6 +2,10 @@
 
 No refcount files and no shared memory: a crashed process leaves nothing to clean up but
 temporary files, which are recognised as orphans because nobody holds their lock.
+
+A flock belongs to the open file description, so every descriptor here is tracked by
+:mod:`asynccache.forksafe` from the moment it is opened: a forked child closes its copy
+at once and never keeps the parent's lock alive.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .. import forksafe
 from ..errors import CacheError
 
-__all__ = ["FileLock", "in_thread", "try_lock", "wait_lock"]
+__all__ = ["FileLock", "in_thread", "open_lock_file", "try_lock", "wait_lock"]
 
 T = TypeVar("T")
 
@@ -70,7 +75,7 @@ async def wait_lock(fd: int, exclusive: bool, timeout: float, what: str) -> None
     try:
         granted = try_lock(fd, exclusive)
     except BaseException:
-        os.close(fd)
+        forksafe.close_fd(fd)
         raise
     if granted:
         return
@@ -92,7 +97,7 @@ async def wait_lock(fd: int, exclusive: bool, timeout: float, what: str) -> None
             error = exc
         with mu:
             if state[0] == "abandoned":
-                os.close(fd)
+                forksafe.close_fd(fd)
                 return
             state[0] = "granted" if error is None else "failed"
         with contextlib.suppress(RuntimeError):  # loop closed: the waiter is gone too
@@ -107,34 +112,81 @@ async def wait_lock(fd: int, exclusive: bool, timeout: float, what: str) -> None
             if state[0] == "waiting":
                 state[0] = "abandoned"  # the thread closes fd once it wakes
             else:
-                os.close(fd)
+                forksafe.close_fd(fd)
         if isinstance(exc, asyncio.TimeoutError):
             raise CacheError(f"waited {timeout}s for the lock on {what}") from exc
         raise
 
 
+def open_lock_file(path: str, ensure_dir: Callable[[], None] | None = None) -> int:
+    """Open (creating) a lock file; the descriptor is tracked for fork safety.
+
+    Args:
+        path: the lock file.
+        ensure_dir: called once if the directory is missing (deleted underneath a running
+            job), to rebuild it before opening again.
+
+    Raises:
+        CacheError: the file cannot be opened (names it).
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            if ensure_dir is None:
+                raise
+            ensure_dir()
+            fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise CacheError(f"cannot open the lock file {path}: {exc.strerror or exc}") from exc
+    return forksafe.track_fd(fd)
+
+
 class FileLock:
     """An exclusive or shared flock on a lock file, for ``async with``.
 
-    Invariant: the descriptor is open exactly while the lock is held; a failed or
-    cancelled acquire leaves nothing open (see :func:`wait_lock`).
+    Invariants:
+        * The descriptor is open exactly while the lock is held; a failed or cancelled
+          acquire leaves nothing open (see :func:`wait_lock`).
+        * It is tracked by :mod:`asynccache.forksafe`, also while a helper thread waits
+          on it: a forked child closes its copy and this object forgets it there.
+
+    Args:
+        path: the lock file (created if missing).
+        exclusive: exclusive or shared.
+        timeout: the bound on waiting for another holder.
+        ensure_dir: rebuilds the lock file's directory when it was deleted underneath.
     """
 
-    def __init__(self, path: str, *, exclusive: bool = True, timeout: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        exclusive: bool = True,
+        timeout: float,
+        ensure_dir: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.exclusive = exclusive
         self.timeout = timeout
+        self._ensure_dir = ensure_dir
         self._fd: int | None = None
+        forksafe.register(self)
 
     async def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_lock_file(self.path, self._ensure_dir)
         await wait_lock(fd, self.exclusive, self.timeout, self.path)  # closes fd on failure
         self._fd = fd
 
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)  # closing the last descriptor drops the flock
+            forksafe.close_fd(fd)  # closing the last descriptor drops the flock
+
+    def _after_fork_in_child(self) -> None:
+        # forksafe already closed the descriptor; the lock stays the parent's.
+        self._fd = None
 
     async def __aenter__(self) -> FileLock:
         await self.acquire()

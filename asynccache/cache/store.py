@@ -9,15 +9,16 @@ import logging
 import os
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
+from .. import forksafe
 from ..config import Settings
-from ..errors import CacheError
-from .eviction import Entry, select_victims
-from .layout import LOCK_DIR, TempFile, cache_error, dataset_dir, is_temp_name, sweep_orphans
-from .locks import FileLock, in_thread, try_lock, wait_lock
+from ..errors import CacheError, DiskFullError
+from . import usage
+from .eviction import select_victims
+from .layout import LOCK_DIR, TempFile, dataset_dir, ensure_dataset_dir, sweep_orphans
+from .locks import FileLock, in_thread, open_lock_file, try_lock, wait_lock
 
 __all__ = ["ChunkStore"]
 
@@ -33,16 +34,24 @@ class ChunkStore:
 
     Invariants:
         * A file under its chunk name is complete and verified (see :mod:`.layout`).
+        * The store reads, counts and removes only what the cache created: dataset
+          directories holding the marker, and in them chunk and temporary names.
         * A pinned chunk is never evicted: a pin holds a shared flock on the file, and the
           evictor removes only files it can lock exclusively without blocking.
-        * Eviction keeps the bytes under ``cache_dir`` (all datasets) within
-          ``max_cache_bytes``, except for what is pinned or being downloaded at that moment;
-          it runs under one cache-wide lock so two processes do not over-evict.
+        * Eviction keeps the cache's bytes (all datasets) within the budget: the smaller of
+          ``max_cache_bytes`` and what the filesystem can hold (free space plus the cache's
+          own bytes, less a margin), except for what is pinned or being downloaded at that
+          moment; it runs under one cache-wide lock so two processes do not over-evict.
+        * A reservation rescans the cache only when the shared ledger (see :mod:`.usage`)
+          is old or says the new bytes may not fit.
         * LRU order is shared across processes through file mtimes, touched on every pin.
         * Pins are counted per process in memory; the kernel drops the flocks of a dead
           process, so nothing on disk needs cleaning after a crash.
-        * A forked child starts with no pins: it closes its inherited copies of the
-          parent's pin descriptors (the parent's pins stay in force).
+        * Fork: every descriptor carrying a flock is tracked by :mod:`asynccache.forksafe`;
+          a forked child starts with no pins and fresh mutexes, and the parent's pins and
+          locks stay in force, held by the parent alone.
+        * A layout deleted underneath (``rm -rf`` of the dataset or cache directory) is
+          rebuilt by the next lock, reservation or temporary file.
 
     Args:
         root: this dataset's directory (see :func:`.layout.dataset_dir`).
@@ -69,14 +78,10 @@ class ChunkStore:
         self._pins: dict[str, tuple[int, int]] = {}  # name -> (fd, count)
         self._mu = threading.Lock()
         self.evicted = 0
-        self._estimate = 0  # bytes under cache_dir at our last scan, plus our reservations
         self._amutex: asyncio.Lock | None = None
         self.durable = durable
-        try:
-            (self.root / LOCK_DIR).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise cache_error(exc, self.root) from exc
-        _STORES.add(self)
+        self._ensure_layout()
+        forksafe.register(self)
         swept = sweep_orphans(self.root)
         if swept:
             log.info("asynccache: removed %d orphaned temporary files in %s", len(swept), root)
@@ -98,6 +103,14 @@ class ChunkStore:
             f"<ChunkStore {self.root} budget={self.max_cache_bytes} pinned={len(self._pins)} "
             f"evicted={self.evicted}>"
         )
+
+    def _ensure_layout(self) -> None:
+        """Create (or rebuild) the cache dir, this dataset's directory and its marker."""
+        ensure_dataset_dir(self.root)
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cache dir {self.cache_dir}: {exc.strerror or exc}") from exc
 
     # -- paths ---------------------------------------------------------------------------
     def path(self, name: str) -> Path:
@@ -129,7 +142,7 @@ class ChunkStore:
                 _touch(path)
                 return path
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = forksafe.track_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
             except FileNotFoundError:
                 return None
             try:
@@ -137,14 +150,14 @@ class ChunkStore:
                 # (a miss), or a writer finishing its publish (treated as a miss too; the
                 # download lock path then finds the file published).
                 if not try_lock(fd, exclusive=False):
-                    os.close(fd)
+                    forksafe.close_fd(fd)
                     return None
                 # The evictor may have unlinked the file between our open and our lock.
                 if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                    os.close(fd)
+                    forksafe.close_fd(fd)
                     return None
             except FileNotFoundError:
-                os.close(fd)
+                forksafe.close_fd(fd)
                 return None
             self._pins[name] = (fd, 1)
             _touch(path)
@@ -161,7 +174,7 @@ class ChunkStore:
                 self._pins[name] = (fd, count - 1)
                 return
             del self._pins[name]
-        os.close(fd)
+        forksafe.close_fd(fd)
         self._evict_after_unpin()
 
     def pinned(self) -> dict[str, int]:
@@ -172,27 +185,37 @@ class ChunkStore:
     # -- writing -------------------------------------------------------------------------
     def download_lock(self, name: str) -> FileLock:
         """The exclusive cross-process lock held while ``name`` downloads."""
-        return FileLock(self.lock_path(name), exclusive=True, timeout=self.lock_timeout_s)
+        return FileLock(
+            self.lock_path(name),
+            exclusive=True,
+            timeout=self.lock_timeout_s,
+            ensure_dir=self._ensure_layout,
+        )
 
     def create_temp(self, name: str, size: int) -> TempFile:
-        """A locked, preallocated temporary file that :meth:`TempFile.publish` makes ``name``."""
-        return TempFile(self.path(name), size, durable=self.durable)
+        """A locked, preallocated temporary file that :meth:`TempFile.publish` makes ``name``.
+
+        Does not reserve space: :meth:`reserve` is the way for downloads.
+        """
+        return TempFile(self.path(name), size, durable=self.durable, ensure_dir=self._ensure_layout)
 
     # -- eviction ------------------------------------------------------------------------
     async def reserve(self, name: str, size: int) -> TempFile:
         """Make room for ``size`` bytes, then create the temporary file that will hold them.
 
         Both happen under the cache-wide eviction lock, so a concurrent reservation in
-        another process sees this one's (preallocated) bytes and evicts for both.
+        another process sees this one's bytes (in the ledger) and evicts for both.
+
+        Raises:
+            DiskFullError: the filesystem cannot take ``size`` more bytes even after
+                evicting every unpinned chunk (names the directory).
         """
         async with self._evict_mutex():
-            lock = self.cache_dir / EVICT_LOCK
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
+            fd = await self._lock_evict()
             try:
-                return await in_thread(self._reserve_locked, name, size, undo=TempFile.discard)
+                return await in_thread(self._reserve_locked, fd, name, size, undo=TempFile.discard)
             finally:
-                os.close(fd)
+                forksafe.close_fd(fd)
 
     def _evict_mutex(self) -> asyncio.Lock:
         # In-process callers queue here, so only one of them waits on the flock.
@@ -200,11 +223,56 @@ class ChunkStore:
             self._amutex = asyncio.Lock()
         return self._amutex
 
-    def _reserve_locked(self, name: str, size: int) -> TempFile:
-        self._evict_locked(size)
-        tmp = self.create_temp(name, size)
-        self._estimate += size
-        return tmp
+    async def _lock_evict(self) -> int:
+        """The cache-wide eviction lock, held exclusively: a tracked descriptor."""
+        path = str(self.cache_dir / EVICT_LOCK)
+        fd = open_lock_file(path, self._ensure_layout)
+        await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, path)  # closes fd on failure
+        return fd
+
+    def _room(self) -> int:
+        """What the filesystem can still take, less the margin (rebuilds a deleted dir)."""
+        try:
+            return usage.fs_room(self.cache_dir)
+        except FileNotFoundError:
+            self._ensure_layout()
+            return usage.fs_room(self.cache_dir)
+
+    def _reserve_locked(self, fd: int, name: str, size: int) -> TempFile:
+        room = self._room()
+        ledger = usage.read_ledger(fd)
+        now = time.time()
+        if (
+            ledger is not None
+            and ledger.trusted(now)
+            and ledger.used + size <= self.max_cache_bytes
+            and size <= room
+        ):
+            used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
+        else:
+            used, _ = self._evict_locked(size, room)
+            count, at = 0, now
+        # Recorded before the file exists: a crash in between leaves an over-estimate.
+        usage.write_ledger(fd, used + size, count, at)
+        try:
+            try:
+                return self.create_temp(name, size)
+            except DiskFullError:
+                pass
+            # The disk is fuller than statvfs said (another writer, reserved blocks):
+            # evict so the chunk fits in what is really free now, and try once more.
+            used, _ = self._evict_locked(size, usage.fs_free(self.cache_dir))
+            usage.write_ledger(fd, used + size, 0)
+            try:
+                return self.create_temp(name, size)
+            except DiskFullError as exc:
+                raise DiskFullError(
+                    f"the disk holding the cache dir {self.root} is full: {size} more bytes "
+                    "do not fit even after evicting every unpinned chunk"
+                ) from exc
+        except BaseException:
+            usage.write_ledger(fd, used, count, at)
+            raise
 
     async def make_room(self, incoming: int) -> int:
         """Evict least-recently-used unpinned chunks so ``incoming`` more bytes fit.
@@ -212,81 +280,78 @@ class ChunkStore:
         Returns the number of bytes removed. Runs the directory scan off the loop.
         """
         async with self._evict_mutex():
-            lock = self.cache_dir / EVICT_LOCK
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, str(lock))
+            fd = await self._lock_evict()
             try:
-                return await in_thread(self._evict_locked, incoming)
+                return await in_thread(self._make_room_locked, fd, incoming)
             finally:
-                os.close(fd)
+                forksafe.close_fd(fd)
 
-    def _evict_locked(self, incoming: int) -> int:
-        used, entries = _scan(self.cache_dir)
+    def _make_room_locked(self, fd: int, incoming: int) -> int:
+        used, removed = self._evict_locked(incoming, self._room())
+        usage.write_ledger(fd, used, 0)
+        return removed
+
+    def _evict_locked(self, incoming: int, room: int) -> tuple[int, int]:
+        """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed).
+
+        The budget is ``max_cache_bytes``, or less when the filesystem can take only
+        ``room`` more bytes. The caller holds the eviction lock.
+        """
+        used, entries = usage.scan(self.cache_dir, self.root)
+        budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
         removed = 0
-        for victim in select_victims(
-            candidates, used=used, budget=self.max_cache_bytes, incoming=incoming
-        ):
-            if used + incoming - removed <= self.max_cache_bytes:
+        for victim in select_victims(candidates, used=used, budget=budget, incoming=incoming):
+            if used + incoming - removed <= budget:
                 break
             if _remove_if_unlocked(victim.key):
                 removed += victim.size
                 self.evicted += 1
-        self._estimate = used - removed
-        return removed
+        return used - removed, removed
 
     def _evict_after_unpin(self) -> None:
         """Pins may have kept the cache over budget: trim it now that one is released.
 
-        Only when this process's last view of the cache was over budget. Another
-        process (or this one's I/O thread) may be evicting: wait for it, briefly and
-        bounded (an eviction is a scan and a few unlinks), then trim; if the wait runs
+        Only when the shared ledger says the cache is over budget (or cannot be read).
+        Another process (or this one's I/O thread) may be evicting: wait for it, briefly
+        and bounded (an eviction is a scan and a few unlinks), then trim; if the wait runs
         out, the next reservation trims instead.
         """
-        if self._estimate <= self.max_cache_bytes:
-            return
-        lock = self.cache_dir / EVICT_LOCK
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        path = str(self.cache_dir / EVICT_LOCK)
         try:
+            fd = open_lock_file(path, self._ensure_layout)
+        except CacheError:
+            return  # nothing to trim in a cache we cannot open; the next reserve reports
+        try:
+            ledger = usage.read_ledger(fd)
+            if ledger is not None and ledger.used <= self.max_cache_bytes:
+                return
             deadline = time.monotonic() + _TRIM_WAIT_S
             while not try_lock(fd, exclusive=True):
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.005)
-            self._evict_locked(0)
+            self._make_room_locked(fd, 0)
         finally:
-            os.close(fd)
+            forksafe.close_fd(fd)
 
     def used_bytes(self) -> int:
-        """Bytes under ``cache_dir`` now (published, pinned and temporary files)."""
-        return _scan(self.cache_dir)[0]
+        """Bytes the cache holds now: chunks and temporary files, all datasets."""
+        return usage.scan(self.cache_dir, self.root)[0]
 
     def close(self) -> None:
         """Release every pin this store holds."""
         with self._mu:
             pins, self._pins = self._pins, {}
         for fd, _ in pins.values():
-            os.close(fd)
+            forksafe.close_fd(fd)
 
     def _after_fork_in_child(self) -> None:
+        # forksafe closed the pin descriptors already: forget them, never close twice.
         self._mu = threading.Lock()
         self._amutex = None
-        pins, self._pins = self._pins, {}
-        for fd, _ in pins.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-_STORES: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
-
-
-def _reset_stores_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_reset_stores_in_child)
+        self._pins = {}
 
 
 def _touch(path: str) -> None:
@@ -295,37 +360,10 @@ def _touch(path: str) -> None:
         os.utime(path)
 
 
-def _scan(cache_dir: Path) -> tuple[int, list[Entry]]:
-    """Total bytes under ``cache_dir`` and the published chunks, with their mtimes."""
-    used = 0
-    entries: list[Entry] = []
-    try:
-        datasets = [d for d in os.scandir(cache_dir) if d.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return 0, []
-    for dataset in datasets:
-        try:
-            files = list(os.scandir(dataset.path))
-        except FileNotFoundError:
-            continue
-        for f in files:
-            try:
-                if not f.is_file(follow_symlinks=False):
-                    continue
-                st = f.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            size = st.st_blocks * 512 if is_temp_name(f.name) else st.st_size
-            used += max(size, st.st_size)
-            if not is_temp_name(f.name):
-                entries.append(Entry(f.path, st.st_size, st.st_mtime))
-    return used, entries
-
-
 def _remove_if_unlocked(path: str) -> bool:
     """Unlink ``path`` if nobody pins it; the exclusive non-blocking flock decides."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = forksafe.track_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     except FileNotFoundError:
         return False
     try:
@@ -339,4 +377,4 @@ def _remove_if_unlocked(path: str) -> bool:
     except FileNotFoundError:
         return False
     finally:
-        os.close(fd)
+        forksafe.close_fd(fd)

@@ -34,19 +34,19 @@ def test_dataset_dir_changes_with_the_index_checksum(tmp_path) -> None:
 
 def test_publish_is_atomic_and_leaves_no_temp(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
-    tmp = store.create_temp("c.bin", 8)
+    tmp = store.create_temp("chunk-0-2.bin", 8)
     assert is_temp_name(tmp.path.name) and f".{os.getpid()}." in tmp.path.name
     tmp.pwrite(b"5678", 4)
     tmp.pwrite(b"1234", 0)
-    assert not store.is_cached("c.bin")
+    assert not store.is_cached("chunk-0-2.bin")
     tmp.publish()
-    assert (tmp_path / "ds" / "c.bin").read_bytes() == b"12345678"
-    assert [p.name for p in (tmp_path / "ds").iterdir() if p.is_file()] == ["c.bin"]
+    assert (tmp_path / "ds" / "chunk-0-2.bin").read_bytes() == b"12345678"
+    assert [p.name for p in (tmp_path / "ds").iterdir() if p.is_file()] == ["chunk-0-2.bin"]
 
 
 def test_discard_removes_the_temp(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
-    tmp = store.create_temp("c.bin", 8)
+    tmp = store.create_temp("chunk-0-2.bin", 8)
     tmp.discard()
     tmp.discard()
     assert not any(p.is_file() for p in (tmp_path / "ds").iterdir())
@@ -87,41 +87,41 @@ def test_disk_full_is_a_cache_error_naming_the_dir(tmp_path) -> None:
 def test_pin_unpin_counts(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
     assert store.pin("missing.bin") is None
-    _publish(store, "a.bin", b"a" * 10)
-    assert store.pin("a.bin") == str(tmp_path / "ds" / "a.bin")
-    assert store.pin("a.bin") is not None
-    assert store.pinned() == {"a.bin": 2}
-    store.unpin("a.bin")
-    store.unpin("a.bin")
+    _publish(store, "chunk-0-0.bin", b"a" * 10)
+    assert store.pin("chunk-0-0.bin") == str(tmp_path / "ds" / "chunk-0-0.bin")
+    assert store.pin("chunk-0-0.bin") is not None
+    assert store.pinned() == {"chunk-0-0.bin": 2}
+    store.unpin("chunk-0-0.bin")
+    store.unpin("chunk-0-0.bin")
     assert store.pinned() == {}
     with pytest.raises(CacheError):
-        store.unpin("a.bin")
+        store.unpin("chunk-0-0.bin")
 
 
 async def test_lru_eviction_keeps_pinned_chunks(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=300)
     other = ChunkStore(tmp_path / "ds", max_cache_bytes=300)  # another process's view
-    for i, name in enumerate(["a.bin", "b.bin", "c.bin"]):
+    for i, name in enumerate(["chunk-0-0.bin", "chunk-0-1.bin", "chunk-0-2.bin"]):
         _publish(store, name, b"x" * 100)
         os.utime(store.path(name), (1000 + i, 1000 + i))
-    assert other.pin("a.bin")  # oldest, but pinned (by a different open file)
+    assert other.pin("chunk-0-0.bin")  # oldest, but pinned (by a different open file)
     removed = await store.make_room(150)
     assert removed == 200
-    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.is_file()) == ["a.bin"]
-    other.unpin("a.bin")
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.is_file()) == ["chunk-0-0.bin"]
+    other.unpin("chunk-0-0.bin")
     assert await store.make_room(300) == 100
     assert store.used_bytes() == 0
 
 
 async def test_pin_touches_lru_order(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=200)
-    for i, name in enumerate(["a.bin", "b.bin"]):
+    for i, name in enumerate(["chunk-0-0.bin", "chunk-0-1.bin"]):
         _publish(store, name, b"x" * 100)
         os.utime(store.path(name), (1000 + i, 1000 + i))
-    store.pin("a.bin")
-    store.unpin("a.bin")  # a is now the most recently used
+    store.pin("chunk-0-0.bin")
+    store.unpin("chunk-0-0.bin")  # a is now the most recently used
     await store.make_room(100)
-    assert store.is_cached("a.bin") and not store.is_cached("b.bin")
+    assert store.is_cached("chunk-0-0.bin") and not store.is_cached("chunk-0-1.bin")
 
 
 async def test_lock_waits_without_polling_and_is_bounded(tmp_path) -> None:
@@ -162,33 +162,50 @@ async def test_cancelled_lock_wait_leaks_nothing(tmp_path) -> None:
 
 def test_forked_child_drops_inherited_pins(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
-    _publish(store, "a.bin", b"x" * 100)
-    assert store.pin("a.bin")
+    _publish(store, "chunk-0-0.bin", b"x" * 100)
+    assert store.pin("chunk-0-0.bin")
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child: no pins of its own; the parent's pin still holds
-        code = 0 if store.pinned() == {} else 1
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    if pid == 0:  # child: no pins of its own; stays alive until the parent has checked
+        try:
+            os.close(report_r)
+            os.close(go_w)
+            os.write(report_w, b"0" if store.pinned() == {} else b"1")
+            os.read(go_r, 1)  # blocks until the parent writes or exits
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    os.close(go_r)
+    try:
+        assert os.read(report_r, 1) == b"0"  # the child has started and has no pins
+        assert store.pinned() == {"chunk-0-0.bin": 1}
+        other = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
+        assert asyncio.run(other.make_room(100)) == 0  # still pinned by us
+        store.unpin("chunk-0-0.bin")
+        # The child is alive (blocked on the pipe) and must not hold our pin's lock.
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)
+        assert asyncio.run(other.make_room(100)) == 100
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)
+    finally:
+        os.close(go_w)  # EOF: the child exits
+        os.close(report_r)
+        _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert store.pinned() == {"a.bin": 1}
-    other = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
-    assert asyncio.run(other.make_room(100)) == 0  # still pinned by us
-    store.unpin("a.bin")
-    assert asyncio.run(other.make_room(100)) == 100
 
 
 async def test_unpin_trims_a_cache_left_over_budget_by_pins(tmp_path) -> None:
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=200)
-    for name in ["a.bin", "b.bin"]:
+    for name in ["chunk-0-0.bin", "chunk-0-1.bin"]:
         _publish(store, name, b"x" * 100)
         assert store.pin(name)
-    tmp = await store.reserve("c.bin", 100)  # nothing evictable: over budget by 100
+    tmp = await store.reserve("chunk-0-2.bin", 100)  # nothing evictable: over budget by 100
     tmp.pwrite(b"y" * 100, 0)
     tmp.publish()
     assert store.used_bytes() == 300
-    store.unpin("a.bin")
-    assert store.used_bytes() == 200 and not store.is_cached("a.bin")
-    store.unpin("b.bin")
+    store.unpin("chunk-0-0.bin")
+    assert store.used_bytes() == 200 and not store.is_cached("chunk-0-0.bin")
+    store.unpin("chunk-0-1.bin")
 
 
 def test_for_dataset_uses_settings(tmp_path) -> None:
