@@ -185,6 +185,8 @@ class Downloader:
 
     async def _fetch(self, spec: ChunkSpec) -> str:
         """Download one chunk under its cross-process lock; the path once published."""
+        from ..errors import DiskFullError  # local: the disk-full retry is self-contained
+
         self.stats.started()
         try:
             size = spec.size
@@ -206,6 +208,13 @@ class Downloader:
                         if round_ == 2:
                             raise
                         self.stats.retries += 1  # bits can flip in transit: once more
+                    except DiskFullError:
+                        # The disk filled during the download (preallocation does not
+                        # reserve blocks everywhere): evict, then try once more.
+                        tmp.discard()
+                        if round_ == 2:
+                            raise
+                        await self.store.make_room(size)
                     except BaseException:
                         tmp.discard()
                         raise
