@@ -4,6 +4,13 @@ Each writer (one per DataLoader worker per rank) owns its file names, so writers
 share a file. A chunk is published by atomic rename once complete; ``{writer}.index.json``
 is written when the writer finishes; ``index.json`` is written last by :func:`merge_dir`
 and is the commit point: a reader that sees it sees every chunk it names.
+
+Durability: every chunk and writer index is fsynced before its rename; the merge fsyncs
+the directory (so those names are on disk), then writes ``index.json`` (fsync, rename)
+and fsyncs the directory again. So after a power loss an ``index.json`` on disk never
+names a chunk that is missing or truncated.
+
+One job writes into a directory at a time (:mod:`asynccache.writelock`).
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._version import __version__
-from .errors import BadIndexError, CacheError, ConfigError
+from .errors import BadIndexError, CacheError, ConfigError, WriteConflictError
 from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
 from .format.index import format_checksum, new_hasher
 from .format.items import compressor
 from .fsutil import atomic_write
+from .writelock import is_held, read_holder
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+# A merge waits for the other writers only while they make progress (a new or larger
+# file in the directory): this long without any change means they are gone.
+MERGE_STALL_S = 600.0
+_POLL_S = (0.02, 1.0)  # first and longest pause between looks; doubles in between
 _WRITTEN = re.compile(r"chunk-\d+-\d+\.bin|\d+\.index\.json")
 
 
@@ -107,7 +119,7 @@ class ChunkWriter:
                 hasher.update(p)
                 yield p
 
-        size = atomic_write(os.path.join(self.directory, name), pieces())
+        size = atomic_write(os.path.join(self.directory, name), pieces(), fsync=True)
         self._entries.append(
             ChunkEntry(name, len(self._items), size, format_checksum(hasher), runs(self._keys))
         )
@@ -118,9 +130,54 @@ class ChunkWriter:
         self.flush()
         idx = Index(tuple(self._entries), self.config, self.writer, self.token)
         atomic_write(
-            os.path.join(self.directory, writer_index_name(self.writer)), [idx.to_json().encode()]
+            os.path.join(self.directory, writer_index_name(self.writer)),
+            [idx.to_json().encode()],
+            fsync=True,
         )
         return idx
+
+
+def fsync_dir(directory: str) -> None:
+    """Make the names of files renamed into ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def progress_marker(directory: str) -> frozenset[tuple[str, int]]:
+    """Names and sizes in ``directory``: it changes whenever any writer makes progress."""
+    out = set()
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
+        for entry in it:
+            with contextlib.suppress(FileNotFoundError):
+                out.add((entry.name, entry.stat().st_size))
+    return frozenset(out)
+
+
+class ProgressWait:
+    """Polls with growing pauses; gives up once ``directory`` stops changing for ``stall_s``.
+
+    Bounded by progress, not by a fixed total: a slow but live write pass may take
+    hours; a dead one is noticed ``stall_s`` after its last file appeared.
+    """
+
+    def __init__(self, directory: str, stall_s: float) -> None:
+        self.directory, self.stall_s = directory, stall_s
+        self._marker = progress_marker(directory)
+        self._last = time.monotonic()
+        self._pause = _POLL_S[0]
+
+    def stalled(self) -> bool:
+        """Pause, then True when nothing changed in the last ``stall_s`` seconds."""
+        time.sleep(self._pause)
+        self._pause = min(self._pause * 2, _POLL_S[1])
+        marker = progress_marker(self.directory)
+        now = time.monotonic()
+        if marker != self._marker:
+            self._marker, self._last, self._pause = marker, now, _POLL_S[0]
+        return now - self._last > self.stall_s
 
 
 def read_index(path: str) -> Index:
@@ -139,11 +196,14 @@ def merge_dir(
     writers: Iterable[int],
     *,
     token: str | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = MERGE_STALL_S,
     config: Mapping[str, Any] | None = None,
     renumber: bool = False,
 ) -> Index:
     """Wait for every writer's ``{w}.index.json`` of this ``token``, then write ``index.json``.
+
+    The wait is bounded by progress: it fails once nothing in the directory changed for
+    ``timeout_s`` seconds while writers are still missing.
 
     The merged ``config`` is the writers' config updated with ``config``.
 
@@ -152,12 +212,12 @@ def merge_dir(
     items come first, then writer 1's, and so on.
 
     Raises:
-        CacheError: a writer's index did not appear within ``timeout_s`` (names which).
+        CacheError: writers made no progress for ``timeout_s`` (names which).
         BadIndexError: the writers' keys overlap or leave gaps.
     """
     pending = set(writers)
     parts: list[Index] = []
-    deadline = time.monotonic() + timeout_s
+    wait = ProgressWait(directory, timeout_s)
     while pending:
         for w in sorted(pending):
             path = os.path.join(directory, writer_index_name(w))
@@ -166,12 +226,11 @@ def merge_dir(
                 if token is None or part.token == token:
                     parts.append(part)
                     pending.discard(w)
-        if pending:
-            if time.monotonic() > deadline:
-                raise CacheError(
-                    f"{directory}: writers {sorted(pending)} did not finish within {timeout_s}s"
-                )
-            time.sleep(0.02)
+        if pending and wait.stalled():
+            raise CacheError(
+                f"{directory}: writers {sorted(pending)} have not finished and nothing was "
+                f"written for {timeout_s:.0f}s; they are gone (a crashed worker or rank)"
+            )
     if renumber:
         parts = _renumbered(parts)
     cfg = {**(parts[0].config if parts else {}), **(config or {})}
@@ -179,7 +238,9 @@ def merge_dir(
         idx = merge(parts, cfg)
     except BadIndexError as exc:
         raise BadIndexError(f"{directory}: cannot merge writer indexes: {exc}") from exc
+    fsync_dir(directory)  # the chunk and writer-index names, before the commit names them
     atomic_write(os.path.join(directory, INDEX_NAME), [idx.to_json().encode()], fsync=True)
+    fsync_dir(directory)  # the commit itself
     return idx
 
 
@@ -195,14 +256,25 @@ def _renumbered(parts: list[Index]) -> list[Index]:
     return out
 
 
-def remove_partial(directory: str) -> None:
+def remove_partial(directory: str, token: str | None = None) -> None:
     """Delete the files of an unfinished write (no ``index.json``): chunks and writer indexes.
 
     Only names this writer produces (``chunk-<n>-<n>.bin``, ``<n>.index.json``) are
-    touched, so other files in the directory are safe.
+    touched, so other files in the directory are safe. Call it holding the directory's
+    write lock for pass ``token``.
+
+    Raises:
+        WriteConflictError: another pass holds the write lock: its files are not ours
+            to delete.
     """
     if os.path.exists(os.path.join(directory, INDEX_NAME)):
         return
+    holder = read_holder(directory)
+    theirs = holder is not None and holder.get("token") != token
+    if theirs and (token is not None or is_held(directory)):
+        raise WriteConflictError(
+            f"{directory}: another job holds the write lock; its files are left alone"
+        )
     for name in os.listdir(directory) if os.path.isdir(directory) else []:
         if _WRITTEN.fullmatch(name):
             with contextlib.suppress(FileNotFoundError):

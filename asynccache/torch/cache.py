@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
 from ..config import Settings
-from ..errors import AsyncCacheError, ConfigError, ObjectNotFoundError
+from ..errors import AsyncCacheError, ConfigError, ObjectNotFoundError, TruncatedChunkError
 from ..format import INDEX_NAME, Index
 from ..reader import Reader
 from ..source import DatasetSource, is_remote, local_dir
-from ..writer import ChunkWriter, merge_dir
+from ..writelock import WriteLock, check_token
+from ..writer import ChunkWriter, merge_dir, remove_partial
 from . import distributed
 
 
@@ -25,6 +27,18 @@ class Cache:
     writes its own chunk files. ``CacheDataLoader`` finishes the writers and merges
     their indexes at the end of the first epoch; used alone, call :meth:`done`.
     ``filled`` is true once a complete ``index.json`` exists.
+
+    One job writes into a directory at a time: a standalone write holds the directory's
+    write lock from its first item until :meth:`done` (``CacheDataLoader`` holds it for
+    its writing epoch); another job gets ``WriteConflictError``. A write that starts
+    where an earlier one crashed removes that write's chunk files first, so old and new
+    chunks never mix.
+
+    Opening a filled local dataset checks every chunk's size against ``index.json``: a
+    chunk truncated or replaced after it was written (a power loss before it reached the
+    disk, a copy gone wrong) raises ``TruncatedChunkError`` naming it, at once, rather
+    than part-way through an epoch. It is not rewritten silently: the source data may be
+    gone, and other processes may be reading; delete the directory to write it again.
 
     Reading: ``cache[i]`` returns exactly what was written at ``i``; numpy and torch
     leaves are zero-copy views of the chunk's memory mapping.
@@ -78,6 +92,7 @@ class Cache:
         self._writer_id: int | None = None
         self._token: str | None = None
         self._accept = True
+        self._lock: WriteLock | None = None  # held by a standalone write, until done()
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -126,6 +141,8 @@ class Cache:
                 raise CacheNotFilledError(
                     f"{self.input_dir}: no {INDEX_NAME} yet; write the dataset first"
                 ) from None
+            if not source.remote:
+                _check_sizes(self.input_dir, source.index)
             self._reader = Reader(
                 source.index,
                 source.acquire,
@@ -147,26 +164,33 @@ class Cache:
         if not self._accept:
             return  # a repeat the loader pads with; its first copy is written elsewhere
         if self._writer is None:
+            self._start_standalone()
+        assert self._writer is not None
+        self._writer.add(key, item)
+
+    def _start_standalone(self) -> None:
+        """Begin a write not driven by ``CacheDataLoader``: lock, refuse filled, clean up."""
+        writer = self._writer_id
+        if writer is None:
+            writer = distributed.current().writer_id
+        token = secrets.token_hex(8)
+        lock = WriteLock.acquire(self.input_dir, token)  # WriteConflictError: another job
+        try:
             if os.path.exists(self.index_path):
                 raise ConfigError(
                     f"{self.input_dir} is already filled ({INDEX_NAME} exists); delete the "
                     "directory to write the dataset again"
                 )
-            writer = self._writer_id
-            if writer is None:
-                writer = distributed.current().writer_id
-            self._writer = ChunkWriter(
-                self.input_dir,
-                writer,
-                chunk_bytes=self.chunk_bytes,
-                chunk_size=self.chunk_size,
-                token=self._token,
-                allow_pickle=self.allow_pickle,
-                compression=self.compression,
-            )
-        self._writer.add(key, item)
+            remove_partial(self.input_dir, token)  # what a crashed earlier write left
+            self._begin_write(writer, self._token)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
 
     def _begin_write(self, writer_id: int, token: str | None) -> None:
+        if token is not None:
+            check_token(self.input_dir, token)  # WriteConflictError: another job's dir now
         self._writer_id, self._token = writer_id, token
         self._writer = ChunkWriter(
             self.input_dir,
@@ -186,16 +210,23 @@ class Cache:
 
     def done(self) -> Index:
         """Finish writing from a single process: publish the last chunk and ``index.json``."""
-        writer = self._writer.writer if self._writer else 0
         if self._writer is None:
-            self._begin_write(0, None)
-        self._finish_write()
-        index = merge_dir(self.input_dir, [writer], token=None)
+            self._start_standalone()
+        assert self._writer is not None
+        writer = self._writer.writer
+        try:
+            self._finish_write()
+            index = merge_dir(self.input_dir, [writer], token=None)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
         self._reader = None
         return index
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_lock"] = None  # the lock stays with the process that took it
         if state["_writer"] is not None:
             raise ConfigError(
                 f"{self.input_dir}: a Cache can't be copied to another process "
@@ -205,3 +236,26 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"Cache({self.input_dir!r}, filled={self.filled})"
+
+
+def _check_sizes(directory: str, index: Index) -> None:
+    """Every chunk present must have the size ``index.json`` records (one stat each).
+
+    A missing chunk is reported when it is read (``ObjectNotFoundError``).
+
+    Raises:
+        TruncatedChunkError: names the chunk and says what to do.
+    """
+    for entry in index.chunks:
+        path = os.path.join(directory, entry.filename)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            continue
+        if size != entry.bytes:
+            raise TruncatedChunkError(
+                f"{path}: {size} bytes, but {INDEX_NAME} records {entry.bytes}: the chunk was "
+                "truncated or replaced after the dataset was written (a crash before it "
+                f"reached the disk, or another write); delete {directory} and write the "
+                "dataset again"
+            )

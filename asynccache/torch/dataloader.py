@@ -246,64 +246,77 @@ class CacheDataLoader:
         )
 
     def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
+        # Local import: these helpers belong to the writing epoch alone.
+        from .writepass import check_claim, claim_directory
+
         assert self.cache is not None
         world = distributed.current()
         token = None
+        lock = None
         if world.rank == 0:
-            remove_partial(self.cache.input_dir)
-            token = secrets.token_hex(8)
-        token = str(distributed.broadcast(token))
-        nw = max(1, self.num_workers)
-        iterable = isinstance(self.dataset, IterableDataset)
-        source: IterableDataset[Any]
-        if iterable:
-            source = IterableWritePass(self.dataset, self.cache, world.rank, nw, token)
-            loader = self._loader(
-                source,
-                batch_size=self.batch_size,
-                drop_last=self.drop_last,
-                collate_fn=self.collate_fn,
-            )
-        else:
-            share = rank_share(
-                epoch_order(len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=epoch),
-                world.rank,
-                world.world_size,
-            )
-            bs = self.batch_size
-            batches = [share[i : i + bs] for i in range(0, len(share), bs)]
-            leftover: list[tuple[int, bool]] = []
-            if self.drop_last and batches and len(batches[-1]) < bs:
-                leftover = batches.pop()
-            source = MapWritePass(
-                self.dataset,
-                self.cache,
-                self._owned,
-                batches,
-                leftover,
-                world.rank,
-                nw,
-                token,
-                self.collate_fn,
-            )
-            loader = self._loader(source, batch_size=None, collate_fn=_identity)
-        for i, batch in enumerate(loader):
-            if i >= skip:
-                yield batch
+            # The job's write lock, held by this process until index.json is published:
+            # another job gets WriteConflictError, and nobody deletes its files.
+            lock, token = claim_directory(self.cache.input_dir, secrets.token_hex(8))
+            if lock is not None:
+                remove_partial(self.cache.input_dir, token)
+        token = check_claim(str(distributed.broadcast(token)))
+        try:
+            nw = max(1, self.num_workers)
+            iterable = isinstance(self.dataset, IterableDataset)
+            source: IterableDataset[Any]
+            if iterable:
+                source = IterableWritePass(self.dataset, self.cache, world.rank, nw, token)
+                loader = self._loader(
+                    source,
+                    batch_size=self.batch_size,
+                    drop_last=self.drop_last,
+                    collate_fn=self.collate_fn,
+                )
             else:
-                self._batches += 1  # received before the restart this resumes
-        writers = range(world.world_size * nw)
-        if world.rank == 0:
-            merge_dir(
-                self.cache.input_dir,
-                writers,
-                token=token,
-                timeout_s=MERGE_TIMEOUT_S,
-                config={"token": token},
-                renumber=iterable,
-            )
-        else:
-            wait_for_index(self.cache.input_dir, token, MERGE_TIMEOUT_S)
+                share = rank_share(
+                    epoch_order(
+                        len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=epoch
+                    ),
+                    world.rank,
+                    world.world_size,
+                )
+                bs = self.batch_size
+                batches = [share[i : i + bs] for i in range(0, len(share), bs)]
+                leftover: list[tuple[int, bool]] = []
+                if self.drop_last and batches and len(batches[-1]) < bs:
+                    leftover = batches.pop()
+                source = MapWritePass(
+                    self.dataset,
+                    self.cache,
+                    self._owned,
+                    batches,
+                    leftover,
+                    world.rank,
+                    nw,
+                    token,
+                    self.collate_fn,
+                )
+                loader = self._loader(source, batch_size=None, collate_fn=_identity)
+            for i, batch in enumerate(loader):
+                if i >= skip:
+                    yield batch
+                else:
+                    self._batches += 1  # received before the restart this resumes
+            writers = range(world.world_size * nw)
+            # Both waits are bounded by the writers' progress, not by a fixed time.
+            if world.rank == 0:
+                merge_dir(
+                    self.cache.input_dir,
+                    writers,
+                    token=token,
+                    config={"token": token},
+                    renumber=iterable,
+                )
+            else:
+                wait_for_index(self.cache.input_dir, token)
+        finally:  # also when the consumer abandons the epoch
+            if lock is not None:
+                lock.release()
         self._writing = False
 
     # -- resume --------------------------------------------------------------------

@@ -3,17 +3,47 @@
 from __future__ import annotations
 
 import os
-import time
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from ..errors import CacheError
+from ..errors import CacheError, WriteConflictError
 from ..format import INDEX_NAME
-from ..writer import read_index
+from ..writelock import WriteLock, is_held, read_holder
+from ..writer import MERGE_STALL_S, ProgressWait, read_index
 from . import distributed
 from .cache import Cache
+
+_FAILED = "!"  # a broadcast token starting with this carries rank 0's error instead
+
+
+def claim_directory(directory: str, token: str) -> tuple[WriteLock | None, str]:
+    """Rank 0: take the write lock of ``directory`` for the new pass ``token``.
+
+    Returns ``(lock, token)``; on failure ``(None, "!<message>")``, for
+    :func:`check_claim` to raise on every rank after the broadcast (so no rank waits
+    for a pass that never starts).
+    """
+    try:
+        lock = WriteLock.acquire(directory, token)
+    except CacheError as exc:
+        return None, _FAILED + str(exc)
+    if os.path.exists(os.path.join(directory, INDEX_NAME)):
+        lock.release()
+        return None, (
+            f"{_FAILED}{directory}: another job finished writing the dataset while this one "
+            "was starting; iterate again to read it"
+        )
+    return lock, token
+
+
+def check_claim(token: str) -> str:
+    """The pass token, or WriteConflictError with rank 0's message."""
+    if token.startswith(_FAILED):
+        raise WriteConflictError(token[len(_FAILED) :])
+    return token
 
 
 def owned_cache(dataset: Any) -> Cache | None:
@@ -108,13 +138,50 @@ class IterableWritePass(IterableDataset[Any]):
         cache._finish_write()
 
 
-def wait_for_index(directory: str, token: str, timeout_s: float) -> None:
-    """Block until rank 0 has published the ``index.json`` of this write pass (bounded)."""
+def wait_for_index(directory: str, token: str, stall_s: float = MERGE_STALL_S) -> None:
+    """Block until rank 0 has published the ``index.json`` of this write pass.
+
+    Fails fast when rank 0 can't publish it any more: another job holds the directory
+    (``WriteConflictError``), or rank 0 runs on this host and no longer holds the write
+    lock (it died). Otherwise bounded by progress: ``CacheError`` once nothing in the
+    directory changed for ``stall_s`` seconds.
+    """
     path = os.path.join(directory, INDEX_NAME)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if os.path.exists(path) and read_index(path).config.get("token") == token:
-            return
-        if time.monotonic() > deadline:
-            raise CacheError(f"{path} was not written by rank 0 within {timeout_s}s")
-        time.sleep(0.05)
+    wait = ProgressWait(directory, stall_s)
+
+    def published() -> bool:
+        return os.path.exists(path) and read_index(path).config.get("token") == token
+
+    while not published():
+        failure = _lost_pass(directory, token)
+        if failure is not None:
+            if published():  # rank 0 published and let go between the two looks
+                return
+            raise failure
+        if wait.stalled():
+            raise CacheError(
+                f"{path} was not published by rank 0 and nothing in {directory} changed "
+                f"for {stall_s:.0f}s: rank 0 is gone"
+            )
+
+
+def _lost_pass(directory: str, token: str) -> CacheError | None:
+    """Why rank 0 can no longer publish pass ``token``, or None while it still may."""
+    holder = read_holder(directory)
+    if holder is None:
+        return CacheError(
+            f"{directory}: rank 0 released the write lock without publishing {INDEX_NAME}: "
+            "it stopped or crashed"
+        )
+    if holder.get("token") != token:
+        return WriteConflictError(
+            f"{directory}: another job took the directory over (pid {holder.get('pid')} "
+            f"on {holder.get('host')}); this pass's {INDEX_NAME} will never come"
+        )
+    # flock is reliable on one host only; across hosts, progress decides.
+    if holder.get("host") == socket.gethostname() and not is_held(directory):
+        return CacheError(
+            f"{directory}: rank 0 (pid {holder.get('pid')}) no longer holds the write lock "
+            f"and did not publish {INDEX_NAME}: it stopped or crashed"
+        )
+    return None
