@@ -5,12 +5,15 @@ and forwards every request unchanged (method, path, query, body and headers, ``H
 ``Authorization``, ``Range`` and ``x-amz-*`` included, so SigV4 signatures still verify),
 except when a programmed :class:`Fault` matches: then it answers with a 5xx or 429, resets
 the connection mid-body, truncates the body below its ``Content-Length``, stalls, or flips
-bytes. Every request is logged (method, path, Range) so tests can count GETs.
+bytes, or trickles the body at a set rate. Every request is logged (method, path, Range)
+so tests can count GETs, and every fault is counted when it actually takes effect
+(:meth:`FaultProxy.fired`), so a test can tell a recovered fault from one that never fired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -22,7 +25,7 @@ from aiohttp import web
 
 __all__ = ["Fault", "FaultProxy", "RequestRecord", "ServerThread"]
 
-FaultKind = Literal["status", "reset", "truncate", "stall", "slow", "flip"]
+FaultKind = Literal["status", "reset", "truncate", "stall", "slow", "flip", "trickle"]
 
 _HOP_BY_HOP = {
     "connection",
@@ -47,7 +50,9 @@ class Fault:
             ``after_bytes`` body bytes), ``truncate`` (close cleanly after ``after_bytes``
             while ``Content-Length`` promises more), ``stall`` (send ``after_bytes`` then
             nothing for ``stall_s``, then reset), ``slow`` (pause ``stall_s`` after
-            ``after_bytes``, then finish normally), ``flip`` (invert the byte at ``flip_at``).
+            ``after_bytes``, then finish normally), ``flip`` (XOR the byte at ``flip_at``
+            with ``flip_xor``), ``trickle`` (after ``after_bytes``, send the rest at
+            ``bytes_per_s``, in ten pieces a second).
         times: how many matching requests it affects.
         path: only requests whose path contains this string match (None: all).
         methods: only these methods match.
@@ -62,6 +67,8 @@ class Fault:
     after_bytes: int = 0
     stall_s: float = 3600.0
     flip_at: int = 0
+    flip_xor: int = 0xFF
+    bytes_per_s: int = 1024
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -166,6 +173,7 @@ class FaultProxy:
         self._mu = threading.Lock()
         self._faults: list[Fault] = []
         self._log: list[RequestRecord] = []
+        self._fired: collections.Counter[FaultKind] = collections.Counter()
         self._session: aiohttp.ClientSession | None = None
         self._closing: asyncio.Event | None = None
         self._server = ServerThread(self._make_app, name="asynccache-faultproxy")
@@ -204,6 +212,19 @@ class FaultProxy:
     def requests(self) -> list[RequestRecord]:
         with self._mu:
             return list(self._log)
+
+    def fired(self, kind: FaultKind | None = None) -> int:
+        """How many faults (of ``kind``; None: any) actually took effect so far.
+
+        A fault counts when it changes what the client sees (a status sent, a byte
+        flipped, a connection cut, a pause begun), not when it merely matched a request.
+        """
+        with self._mu:
+            return sum(self._fired.values()) if kind is None else self._fired[kind]
+
+    def _fire(self, kind: FaultKind) -> None:
+        with self._mu:
+            self._fired[kind] += 1
 
     def count(self, method: str = "GET", path: str | None = None) -> int:
         """Requests with ``method`` whose path contains ``path``."""
@@ -247,6 +268,7 @@ class FaultProxy:
                 )
             )
         if fault is not None and fault.kind == "status":
+            self._fire("status")
             headers = {}
             if fault.retry_after is not None:
                 headers["Retry-After"] = f"{fault.retry_after:g}"
@@ -286,11 +308,16 @@ class FaultProxy:
                 and sent <= fault.flip_at < sent + len(piece)
             ):
                 i = fault.flip_at - sent
-                piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1 :]
+                piece = piece[:i] + bytes([piece[i] ^ fault.flip_xor]) + piece[i + 1 :]
+                self._fire("flip")
+            if fault is not None and fault.kind == "trickle":
+                sent = await self._trickle(resp, piece, sent, fault)
+                continue
             if fault is not None and fault.kind in ("reset", "truncate", "stall", "slow"):
                 room = fault.after_bytes - sent
                 if fault.kind == "slow" and 0 <= room < len(piece):
                     await resp.write(piece[:room])
+                    self._fire("slow")
                     await asyncio.sleep(fault.stall_s)
                     piece, sent = piece[room:], sent + room
                     fault = None
@@ -304,9 +331,29 @@ class FaultProxy:
         await resp.write_eof()
         return resp
 
+    async def _trickle(
+        self, resp: web.StreamResponse, piece: bytes, sent: int, fault: Fault
+    ) -> int:
+        """Send ``piece``: at full speed up to ``after_bytes``, then ``bytes_per_s``."""
+        fast = max(0, min(len(piece), fault.after_bytes - sent))
+        if fast:
+            await resp.write(piece[:fast])
+        step = max(1, fault.bytes_per_s // 10)
+        assert self._closing is not None
+        for i in range(fast, len(piece), step):
+            if i == fast and sent + fast == fault.after_bytes:
+                self._fire("trickle")
+            await resp.write(piece[i : i + step])
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), 0.1)
+            if self._closing.is_set():
+                raise asyncio.CancelledError  # closing: stop feeding the client
+        return sent + len(piece)
+
     async def _misbehave(
         self, request: web.Request, resp: web.StreamResponse, fault: Fault
     ) -> web.StreamResponse:
+        self._fire(fault.kind)
         transport = request.transport
         if transport is not None:
             await _flushed(transport)  # the bytes before the fault really reach the client

@@ -94,6 +94,7 @@ def test_fault_recovered_byte_identical(tmp_path, lt, origin, case) -> None:
         dl = _fetch(tmp_path, lt, proxy.url, chunks, part_bytes=1 << 20)
         elapsed = time.monotonic() - t0
         assert proxy.count("GET", "chunk-0-0.bin") == expected_gets
+        assert proxy.fired(fault.kind) == template.times  # each programmed fault took effect
         assert dl.stats.retries == expected_gets - 1
         if case == "429 retry-after":
             assert elapsed >= 0.3
@@ -111,6 +112,7 @@ def test_faults_on_ranged_parts(tmp_path, lt, origin) -> None:
         proxy.add_fault(Fault("reset", times=2, after_bytes=10_000, path="chunk-0-0"))
         proxy.add_fault(Fault("status", times=2, status=500, path="chunk-0-0"))
         _fetch(tmp_path, lt, proxy.url, chunks, part_bytes=128 << 10)
+        assert proxy.fired("reset") == 2 and proxy.fired("status") == 2
 
 
 def test_retry_budget_exhausted_is_a_clear_error(tmp_path, lt, origin) -> None:
@@ -123,6 +125,7 @@ def test_retry_budget_exhausted_is_a_clear_error(tmp_path, lt, origin) -> None:
         assert time.monotonic() - t0 < 10
         assert proxy.url in str(info.value) and "3 attempts" in str(info.value)
         assert "503" in str(info.value)
+        assert proxy.fired("status") == 3
     assert not any((tmp_path / "cache" / "ds").glob("chunk-*"))
 
 
@@ -134,6 +137,7 @@ def test_stall_every_time_times_out_in_bounded_time(tmp_path, lt, origin) -> Non
         with pytest.raises(RetriesExhaustedError, match="no bytes"):
             _fetch(tmp_path, lt, proxy.url, chunks, retries=1, timeout_s=0.3)
         assert time.monotonic() - t0 < 10
+        assert proxy.fired("stall") == proxy.count("GET") > 0  # every attempt stalled
 
 
 def test_corruption_every_time_is_a_checksum_error(tmp_path, lt, origin) -> None:
@@ -143,6 +147,7 @@ def test_corruption_every_time_is_a_checksum_error(tmp_path, lt, origin) -> None
         with pytest.raises(ChecksumMismatchError, match=r"chunk-0-1\.bin"):
             _fetch(tmp_path, lt, proxy.url, chunks, name="chunk-0-1.bin")
         assert proxy.count("GET") == 2  # retried once only
+        assert proxy.fired("flip") == 2
 
 
 def test_missing_object_is_not_retried(tmp_path, lt, origin) -> None:
@@ -176,3 +181,4 @@ def test_s3_through_the_proxy_keeps_sigv4_valid(tmp_path, lt, objstore, bucket) 
         with open(path, "rb") as f:
             assert f.read() == data
         assert proxy.count("GET", "chunk-0-0.bin") >= 4
+        assert proxy.fired("reset") == 1 and proxy.fired("status") == 1
