@@ -12,7 +12,8 @@ Schema (version 1)::
       ],
       "total_items": 64,
       "total_bytes": 30080,
-      "config": {"chunk_bytes": 8192, "chunk_size": null, "writer": "asynccache 0.1.0"}
+      "config": {"chunk_bytes": 8192, "chunk_size": null, "writer": "asynccache 0.1.0"},
+      "index_checksum": "xxh3_64:5c0d3e1f2a4b6978"
     }
 
 ``keys`` lists the runs ``[first_key, count]`` of the keys a chunk holds, in storage
