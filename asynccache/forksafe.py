@@ -29,7 +29,15 @@ import threading
 import weakref
 from typing import Protocol
 
-__all__ = ["ForkResettable", "close_fd", "register", "track_fd", "tracked_fds", "untrack_fd"]
+__all__ = [
+    "ForkResettable",
+    "close_fd",
+    "open_fd",
+    "register",
+    "track_fd",
+    "tracked_fds",
+    "untrack_fd",
+]
 
 
 class ForkResettable(Protocol):
@@ -68,6 +76,18 @@ _registry = _Registry()
 def track_fd(fd: int) -> int:
     """Close ``fd`` in any child forked while it is tracked; returns ``fd``."""
     with _registry.mu:
+        _registry.fds.add(fd)
+    return fd
+
+
+def open_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """``os.open`` and :func:`track_fd` in one step, with no fork in between.
+
+    The registry mutex is held across the open, and a fork waits for it, so no child can
+    inherit the descriptor untracked. Raises what ``os.open`` raises.
+    """
+    with _registry.mu:
+        fd = os.open(path, flags | os.O_CLOEXEC, mode)
         _registry.fds.add(fd)
     return fd
 

@@ -167,7 +167,7 @@ class TempFile:
             name = f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             self.path = directory / name
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fd = forksafe.open_fd(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             except FileNotFoundError as exc:
                 if rebuilt:
                     raise cache_error(exc, directory) from exc
@@ -177,7 +177,6 @@ class TempFile:
                 continue
             except OSError as exc:
                 raise cache_error(exc, directory) from exc
-            forksafe.track_fd(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
             # A sweeper may have taken the file between open and flock: make sure the
             # name still points at our inode, otherwise start again with a new name.
@@ -270,7 +269,7 @@ def sweep_orphans(directory: str | os.PathLike[str]) -> list[str]:
         if not is_temp_name(entry.name):
             continue
         try:
-            fd = forksafe.track_fd(os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC))
+            fd = forksafe.open_fd(entry.path, os.O_RDONLY)
         except FileNotFoundError:
             continue
         try:

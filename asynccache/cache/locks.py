@@ -132,15 +132,15 @@ def open_lock_file(path: str, ensure_dir: Callable[[], None] | None = None) -> i
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     try:
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = forksafe.open_fd(path, flags)
         except FileNotFoundError:
             if ensure_dir is None:
                 raise
             ensure_dir()
-            fd = os.open(path, flags, 0o644)
+            fd = forksafe.open_fd(path, flags)
     except OSError as exc:
         raise CacheError(f"cannot open the lock file {path}: {exc.strerror or exc}") from exc
-    return forksafe.track_fd(fd)
+    return fd
 
 
 class FileLock:

@@ -142,7 +142,7 @@ class ChunkStore:
                 _touch(path)
                 return path
             try:
-                fd = forksafe.track_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                fd = forksafe.open_fd(path, os.O_RDONLY)
             except FileNotFoundError:
                 return None
             try:
@@ -363,7 +363,7 @@ def _touch(path: str) -> None:
 def _remove_if_unlocked(path: str) -> bool:
     """Unlink ``path`` if nobody pins it; the exclusive non-blocking flock decides."""
     try:
-        fd = forksafe.track_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        fd = forksafe.open_fd(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
