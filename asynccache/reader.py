@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import forksafe
 from .errors import ChecksumMismatchError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
 
@@ -65,6 +66,11 @@ class Reader:
     Thread-safe. Keeps up to ``max_open`` chunks mapped and calls ``release(ci)`` for each
     ``resolve`` once it drops that mapping; an item handed out keeps its own mapping alive
     for as long as it lives, so dropping a mapping never invalidates an item.
+
+    Fork: a forked child starts with a new mutex and an empty table of open chunks. The
+    inherited mappings were resolved (pinned) by the parent, so the child never releases
+    them; items it already holds stay valid. Which chunks were verified is kept (the files
+    are the same).
     """
 
     def __init__(
@@ -86,6 +92,13 @@ class Reader:
         self._open: collections.OrderedDict[int, _Mapped] = collections.OrderedDict()
         self._verified: set[int] = set()
         self._lock = threading.Lock()
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread may have held the mutex at the fork: it would never be released.
+        self._lock = threading.Lock()
+        # The parent's pins: releasing them here would unpin what this process never pinned.
+        self._open = collections.OrderedDict()
 
     def __len__(self) -> int:
         return self.index.total_items
@@ -158,3 +171,4 @@ class Reader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        forksafe.register(self)

@@ -3,7 +3,9 @@
 It reads ``index.json`` (only that) when opened, and turns a chunk number into a local
 file path: in place for a local directory, through the downloader and the shared local
 cache for a remote URL. It is cheap to pickle: a copy sent to a DataLoader worker
-reconnects lazily in that process (its own I/O thread, its own sessions).
+reconnects lazily in that process (its own I/O thread, its own sessions). A copy
+inherited by a forked child does the same: it starts with a new mutex and forgets the
+parent's storage, store and downloader (they live on the parent's I/O thread).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from . import forksafe
 from .bridge import get_loop_thread
 from .cache.store import ChunkStore
 from .config import Settings
@@ -75,6 +78,7 @@ class DatasetSource:
         self._store: ChunkStore | None = None
         self._downloader: Downloader | None = None
         self._pid = -1
+        forksafe.register(self)
         self.index = self._read_index()
 
     # -- opening -------------------------------------------------------------------
@@ -196,6 +200,13 @@ class DatasetSource:
             dl = self._downloader if self._pid == os.getpid() else None
         return dl.stats.snapshot() if dl else DownloadStats()
 
+    def _after_fork_in_child(self) -> None:
+        # Another thread may have held the mutex at the fork; the parent's connection is
+        # bound to the parent's I/O thread. Reconnect lazily, like an unpickled copy.
+        self._mu = threading.Lock()
+        self._storage, self._store, self._downloader = None, None, None
+        self._pid = -1
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for k in ("_storage", "_store", "_downloader"):
@@ -207,6 +218,7 @@ class DatasetSource:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mu = threading.Lock()
+        forksafe.register(self)
 
     def __repr__(self) -> str:
         return f"DatasetSource({self.url!r}, items={self.index.total_items})"
