@@ -106,10 +106,10 @@ class WriteLock:
         for _ in range(_ATTEMPTS):  # each retry means a holder just let go: bounded
             try:
                 os.makedirs(directory, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # Opened and tracked with no fork in between: no child inherits the lock.
+                fd = forksafe.open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
                 raise CacheError(f"cannot lock {directory} for writing: {exc.strerror}") from exc
-            forksafe.track_fd(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
