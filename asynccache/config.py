@@ -58,6 +58,9 @@ class Settings:
     part_bytes: int = 64 << 20
     retries: int = 5
     timeout_s: float = 60.0
+    # A body that delivers less than this over a stall window (timeout_s) counts as
+    # stalled: a server trickling bytes must not hold a download's lock and slot forever.
+    min_bytes_per_s: int = 4 << 10
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
     log_level: str | None = None
@@ -72,7 +75,7 @@ class Settings:
         for name in ("max_concurrency",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_var(name)} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("prefetch_chunks", "retries"):
+        for name in ("prefetch_chunks", "retries", "min_bytes_per_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_var(name)} must be >= 0, got {getattr(self, name)!r}")
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
@@ -175,7 +178,7 @@ def _parse(name: str, typ: Any, raw: str) -> Any:
                 return False
             raise ValueError(raw)
         if typ == "int":
-            return parse_size(raw) if name.endswith("bytes") else int(raw)
+            return parse_size(raw) if "bytes" in name.split("_") else int(raw)
         if typ == "float":
             return float(raw)
         return raw

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from .config import Settings
-from .download.prefetch import prefetch_dataset
+from .download.prefetch import prefetch_chunks
 from .download.stats import DownloadStats
 from .source import DatasetSource
 
@@ -21,8 +21,11 @@ def prefetch(
     """Download every chunk of the dataset at ``url`` into the local cache.
 
     Chunks already cached count as hits and are not fetched again; a local dataset needs
-    nothing (it is read in place). Shows a byte progress bar unless
-    ``ASYNCCACHE_PROGRESS=0`` or stderr is not a terminal.
+    nothing (it is read in place). Descriptors, locks and tasks stay bounded whatever the
+    number of chunks: they are asked for through a window of ``2 * max_concurrency``, by
+    the dataset's one downloader, which is closed (with its session) before returning.
+    Shows a byte progress bar unless ``ASYNCCACHE_PROGRESS=0`` or stderr is not a
+    terminal.
 
     Returns:
         What it took: bytes, chunks fetched, hits, retries, bytes/s.
@@ -34,13 +37,16 @@ def prefetch(
     source = DatasetSource(
         url, cache_dir=cache_dir, storage_options=storage_options, settings=settings
     )
-    if not source.remote:
-        return DownloadStats()
-    dl = source.downloader()
-    specs = [source.spec(ci) for ci in range(len(source.index.chunks))]
-    return prefetch_dataset(
-        dl.storage, dl.store, specs, source.settings, progress=source.settings.progress and _tty()
-    )
+    with source:
+        if not source.remote:
+            return DownloadStats()
+        specs = (source.spec(ci) for ci in range(len(source.index.chunks)))
+        return prefetch_chunks(
+            source.downloader(),
+            specs,
+            total_bytes=source.index.total_bytes,
+            progress=source.settings.progress and _tty(),
+        )
 
 
 def _tty() -> bool:

@@ -6,15 +6,19 @@ cache for a remote URL. It is cheap to pickle: a copy sent to a DataLoader worke
 reconnects lazily in that process (its own I/O thread, its own sessions). A copy
 inherited by a forked child does the same: it starts with a new mutex and forgets the
 parent's storage, store and downloader (they live on the parent's I/O thread).
+
+What a remote source holds open (an HTTP session, pin descriptors, download tasks) is
+released by :meth:`DatasetSource.close`, or when the source is garbage-collected, or at
+interpreter exit, whichever comes first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,18 +26,18 @@ from . import forksafe
 from .bridge import get_loop_thread
 from .cache.store import ChunkStore
 from .config import Settings
+from .download.connection import Connection
 from .download.downloader import ChunkSpec, Downloader
 from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
 from .errors import (
+    CorruptIndexError,
     ObjectNotFoundError,
     RetriesExhaustedError,
-    StorageTimeoutError,
     TransientError,
 )
 from .format import INDEX_NAME, ChunkEntry, Index
 from .storage import open_storage
-from .storage.base import Storage
 
 
 def is_remote(url: str) -> bool:
@@ -45,8 +49,27 @@ def local_dir(url: str) -> str:
     return url.removeprefix("file://")
 
 
+class _Slot:
+    """The current :class:`Connection` of a source; what its finalizer closes.
+
+    Kept apart from the source so the finalizer holds no reference to the source itself.
+    """
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
 class DatasetSource:
     """Index and chunk paths of one dataset. Thread-safe; see the module docstring.
+
+    A context manager: leaving the ``with`` block calls :meth:`close`.
 
     Args:
         url: a directory, ``file://``, ``http(s)://`` or ``s3://`` URL of a written dataset.
@@ -74,10 +97,8 @@ class DatasetSource:
         self.remote = is_remote(self.url)
         self._aws_env = Settings.aws_env() if self.remote else {}
         self._mu = threading.Lock()
-        self._storage: Storage | None = None
-        self._store: ChunkStore | None = None
-        self._downloader: Downloader | None = None
-        self._pid = -1
+        self._slot = _Slot()
+        self._finalizer = _finalizer(self, self._slot)
         forksafe.register(self)
         self.index = self._read_index()
 
@@ -92,58 +113,81 @@ class DatasetSource:
                 raise ObjectNotFoundError(
                     f"{path}: no dataset here (index.json is missing)", url=path
                 ) from exc
-        storage = self._connect()
+        storage = self._connect().storage
         policy = RetryPolicy(
             self.settings.retries, self.settings.backoff_base_s, self.settings.backoff_max_s
         )
+        url = storage.object_url(INDEX_NAME)
 
-        async def fetch() -> bytes:
+        async def fetch() -> Index:
             failures = 0
             while True:
                 try:
-                    return await asyncio.wait_for(storage.read(INDEX_NAME), self.settings.timeout_s)
-                except (TransientError, asyncio.TimeoutError) as exc:
+                    text = await asyncio.wait_for(storage.read(INDEX_NAME), self.settings.timeout_s)
+                    # Parsed off the loop (an index can be megabytes); a checksum mismatch
+                    # is damage in transit, as transient as a reset: fetch it again.
+                    return await asyncio.to_thread(Index.from_json, text, url)
+                except (TransientError, asyncio.TimeoutError, CorruptIndexError) as exc:
                     failures += 1
                     if not policy.should_retry(failures):
-                        url = storage.object_url(INDEX_NAME)
-                        raise RetriesExhaustedError(
-                            f"gave up on {url} after {failures} attempts; last error: "
-                            f"{exc or type(exc).__name__}",
-                            url=url,
-                            attempts=failures,
-                        ) from exc
+                        raise _gave_up(url, failures, exc) from exc
                     await asyncio.sleep(policy.delay(failures, getattr(exc, "retry_after", None)))
 
-        budget = (self.settings.timeout_s + self.settings.backoff_max_s) * (
+        # Bounded: each attempt by timeout_s, each pause by backoff_max_s; the parse gets
+        # the same again.
+        budget = (2 * self.settings.timeout_s + self.settings.backoff_max_s) * (
             self.settings.retries + 1
         )
-        text = get_loop_thread().call(fetch(), budget)
-        return Index.from_json(text, storage.object_url(INDEX_NAME))
+        try:
+            return get_loop_thread().call(fetch(), budget)
+        except BaseException:
+            self.close()  # a source that failed to open holds nothing open
+            raise
 
-    def _connect(self) -> Storage:
-        """This process's storage backend (made anew in a forked or spawned child)."""
+    def _connect(self) -> Connection:
+        """This process's connection: made on first use, anew in a forked or spawned child
+        and after :meth:`close`."""
         with self._mu:
-            if self._pid != os.getpid() or self._storage is None:
-                self._storage = open_storage(
-                    self.url, self.settings, self.storage_options, self._aws_env
-                )
-                get_loop_thread().register_closer(self._storage.close)
-                self._store, self._downloader = None, None
-                self._pid = os.getpid()
-            return self._storage
+            conn = self._slot.conn
+            if conn is None or conn.pid != os.getpid() or conn.closed:
+                # A forked child's copy of the parent's connection is left alone: the
+                # parent's abandoned loop thread keeps it referenced (never closed here).
+                storage = open_storage(self.url, self.settings, self.storage_options, self._aws_env)
+                conn = self._slot.conn = Connection(storage, get_loop_thread())
+            return conn
+
+    def _live(self) -> Connection | None:
+        """The connection of this process, if one is open (never opens one)."""
+        conn = self._slot.conn
+        return conn if conn is not None and conn.pid == os.getpid() else None
 
     def downloader(self) -> Downloader:
         """The downloader of this process (remote datasets only)."""
-        storage = self._connect()
+        conn = self._connect()
         with self._mu:
-            if self._downloader is None:
-                self._store = ChunkStore.for_dataset(
+            if conn.downloader is None:
+                store = ChunkStore.for_dataset(
                     self.settings, self.url, self.index.checksum, durable=self.settings.durable
                 )
-                self._downloader = Downloader(storage, self._store, self.settings)
-                # Closers run newest first: downloads are cancelled before sessions close.
-                get_loop_thread().register_closer(self._downloader.cancel_all)
-            return self._downloader
+                conn.attach(store, Downloader(conn.storage, store, self.settings))
+            assert conn.downloader is not None
+            return conn.downloader
+
+    def close(self) -> None:
+        """Release the HTTP session, pins and downloads of this process. Idempotent.
+
+        Does not wait for the session to finish closing (the I/O thread does that). A
+        closed source opens a new connection if it is used again. Garbage collection and
+        interpreter exit close it too.
+        """
+        with self._mu:
+            self._slot.close()
+
+    def __enter__(self) -> DatasetSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- chunks --------------------------------------------------------------------
     def spec(self, ci: int) -> ChunkSpec:
@@ -161,21 +205,11 @@ class DatasetSource:
             return os.path.join(local_dir(self.url), entry.filename)
         dl = self.downloader()
         spec = self.spec(ci)
-        budget = (self.settings.timeout_s + self.settings.backoff_max_s) * (
-            self.settings.retries + 2
-        )
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
-            fut = dl.ensure(spec.name, spec.size, spec.checksum)
-            try:
-                fut.result(timeout=budget)
-            except concurrent.futures.TimeoutError as exc:
-                fut.cancel()
-                raise StorageTimeoutError(
-                    f"{self.url}/{entry.filename}: not downloaded within {budget:.0f}s",
-                    url=self.url,
-                ) from exc
-            assert self._store is not None
-            path = self._store.pin(spec.name)
+            # Bounded by progress: a slow but live download is waited for, a stuck one is
+            # not; giving up (or an interrupt) cancels the download nobody else wants.
+            dl.wait(dl.ensure(spec.name, spec.size, spec.checksum), spec.name)
+            path = dl.store.pin(spec.name)
             if path is not None:
                 return path
         raise TransientError(
@@ -186,8 +220,9 @@ class DatasetSource:
 
     def release(self, ci: int) -> None:
         """Undo one :meth:`acquire` (no-op for local datasets)."""
-        if self.remote and self._store is not None and self._pid == os.getpid():
-            self._store.unpin(self.index.chunks[ci].filename)
+        conn = self._live() if self.remote else None
+        if conn is not None and conn.store is not None and not conn.closed:
+            conn.store.unpin(self.index.chunks[ci].filename)
 
     def hint(self, chunks: Iterable[int]) -> None:
         """These chunks come next, in this order: download them ahead (remote only)."""
@@ -196,29 +231,49 @@ class DatasetSource:
 
     @property
     def stats(self) -> DownloadStats:
-        with self._mu:
-            dl = self._downloader if self._pid == os.getpid() else None
+        conn = self._live()
+        dl = conn.downloader if conn is not None else None
         return dl.stats.snapshot() if dl else DownloadStats()
 
     def _after_fork_in_child(self) -> None:
-        # Another thread may have held the mutex at the fork; the parent's connection is
-        # bound to the parent's I/O thread. Reconnect lazily, like an unpickled copy.
+        # Another thread may have held the mutex at the fork. The parent's connection is
+        # bound to the parent's I/O thread: it is recognised by its pid and replaced on
+        # first use (Connection.close does nothing in this process).
         self._mu = threading.Lock()
-        self._storage, self._store, self._downloader = None, None, None
-        self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_storage", "_store", "_downloader"):
-            state[k] = None
-        state["_pid"] = -1
-        del state["_mu"]
+        for k in ("_mu", "_slot", "_finalizer"):
+            del state[k]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mu = threading.Lock()
+        self._slot = _Slot()
+        self._finalizer = _finalizer(self, self._slot)
         forksafe.register(self)
 
     def __repr__(self) -> str:
         return f"DatasetSource({self.url!r}, items={self.index.total_items})"
+
+
+def _finalizer(source: DatasetSource, slot: _Slot) -> weakref.finalize:
+    """Close ``slot``'s connection when ``source`` is garbage-collected.
+
+    Not at exit: the loop thread's own close runs every connection still registered then,
+    and waits for them, while a finalizer could only schedule a close the loop might
+    cancel halfway (an "Unclosed client session" warning).
+    """
+    fin = weakref.finalize(source, slot.close)
+    fin.atexit = False
+    return fin
+
+
+def _gave_up(url: str, failures: int, exc: BaseException) -> Exception:
+    """The error that ends the index fetch: what failed last, with the URL and attempts."""
+    last = str(exc) or type(exc).__name__
+    message = f"gave up on {url} after {failures} attempts; last error: {last}"
+    if isinstance(exc, CorruptIndexError):
+        return CorruptIndexError(message)
+    return RetriesExhaustedError(message, url=url, attempts=failures)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -42,9 +43,12 @@ class LoopThread:
         * Every blocking wait is bounded: :meth:`call` needs a timeout, :meth:`close` too.
         * :meth:`call` from the loop thread itself raises :class:`BridgeError` instead of
           deadlocking.
-        * :meth:`close` awaits every registered closer (newest first) on the loop, then
-          stops the loop and joins the thread. It is idempotent; a closed object cannot be
-          restarted.
+        * :meth:`close` awaits every registered closer (newest first) and every close
+          scheduled by :meth:`close_soon` on the loop, then stops the loop and joins the
+          thread. It is idempotent; a closed object cannot be restarted.
+        * Closers are held only while registered: an object that closes itself (or is
+          garbage-collected and closed through :meth:`close_soon`) unregisters first, so
+          the number of closers tracks live objects, not every object ever made.
     """
 
     def __init__(self, name: str = THREAD_NAME) -> None:
@@ -55,6 +59,7 @@ class LoopThread:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._closers: list[Closer] = []
+        self._closing: set[asyncio.Future[Any]] = set()  # closes scheduled by close_soon
         self._closed = False
 
     def __repr__(self) -> str:
@@ -159,6 +164,44 @@ class LoopThread:
 
         return unregister
 
+    @property
+    def closer_count(self) -> int:
+        """How many closers are registered now (they run at :meth:`close`)."""
+        with self._lock:
+            return len(self._closers)
+
+    def close_soon(self, closer: Closer) -> None:
+        """Await ``closer()`` on the loop soon, without waiting; never blocks, never raises.
+
+        Safe from any thread, the I/O thread and a garbage-collection finalizer included.
+        A no-op in a forked child (the loop is the parent's) and once the loop is closed
+        or was never started (nothing of it can be open then). :meth:`close` waits for
+        closes still running.
+        """
+        if os.getpid() != self._pid:
+            return
+        loop = self._loop
+        if loop is None or self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+            loop.call_soon_threadsafe(self._start_close, closer)
+
+    def _start_close(self, closer: Closer) -> None:
+        fut = asyncio.ensure_future(_guarded(closer))
+        self._closing.add(fut)
+        fut.add_done_callback(self._closing.discard)
+
+    def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every close scheduled so far has finished."""
+
+        async def closing() -> None:
+            await asyncio.sleep(0)  # closes scheduled just before this run first
+            while self._closing:
+                await asyncio.wait(set(self._closing))
+
+        if self._loop is not None and not self._closed:
+            self.call(closing(), timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         """Close registered resources, stop the loop and join the thread. Idempotent."""
         if os.getpid() != self._pid:
@@ -173,7 +216,7 @@ class LoopThread:
             closers, self._closers = list(reversed(self._closers)), []
         if loop is None or thread is None:
             return
-        fut = asyncio.run_coroutine_threadsafe(_run_closers(closers), loop)
+        fut = asyncio.run_coroutine_threadsafe(_run_closers(closers, self._closing), loop)
         try:
             fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -187,12 +230,18 @@ class LoopThread:
             log.warning("asynccache: the I/O thread did not stop within %ss", timeout)
 
 
-async def _run_closers(closers: list[Closer]) -> None:
+async def _guarded(closer: Closer) -> None:
+    try:
+        await closer()
+    except Exception:
+        log.exception("asynccache: a resource failed to close")
+
+
+async def _run_closers(closers: list[Closer], closing: set[asyncio.Future[Any]]) -> None:
     for closer in closers:
-        try:
-            await closer()
-        except Exception:
-            log.exception("asynccache: a resource failed to close")
+        await _guarded(closer)
+    while closing:  # closes scheduled by close_soon (objects collected just before exit)
+        await asyncio.wait(set(closing))
     await asyncio.sleep(0)  # let transports finish closing (aiohttp recommends a tick)
 
 

@@ -1,7 +1,7 @@
 """The chunk downloader: concurrency limit, single-flight, ranged parts, retries, prefetch."""
 
 from .downloader import ChunkSpec, Downloader, file_checksum
-from .prefetch import prefetch_dataset
+from .prefetch import prefetch_chunks, prefetch_dataset
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
@@ -11,5 +11,6 @@ __all__ = [
     "Downloader",
     "RetryPolicy",
     "file_checksum",
+    "prefetch_chunks",
     "prefetch_dataset",
 ]

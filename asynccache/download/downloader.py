@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 import xxhash
@@ -19,11 +20,12 @@ from ..cache.layout import TempFile
 from ..cache.locks import in_thread
 from ..cache.store import ChunkStore
 from ..config import Settings
-from ..errors import ChecksumMismatchError, ObjectNotFoundError
+from ..errors import ChecksumMismatchError, ObjectNotFoundError, StorageTimeoutError
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate
 from .parts import fetch_range, split_parts
+from .progress import ProgressClock
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
@@ -32,6 +34,9 @@ __all__ = ["ChunkSpec", "Downloader", "file_checksum"]
 log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 8 << 20
+_WAIT_SLICE_S = 0.5  # how often a waiter looks at its download's progress
+_STALL_SLACK_S = 5.0  # closing a failed response, scheduling: not a stall
+_MIN_VERIFY_BYTES_PER_S = 10e6  # the slowest hash + fsync we wait for before calling it stuck
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +60,12 @@ class Downloader:
           and no new prefetch starts while a caller waits for a download in flight (it
           would share that download's bandwidth: the time to the first batch).
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
-        * Every wait is bounded: per-attempt stall timeout, retry budget, lock-wait bound.
+        * Every wait is bounded: per-attempt stall timeout (no byte for ``timeout_s``, or
+          under ``min_bytes_per_s`` over that window), retry budget, lock-wait bound. A
+          sync waiter (:meth:`wait`) is bounded by progress, not by a total: it gives up
+          only when its download showed no sign of life for :attr:`stall_s`.
+        * A download nobody wants any more is cancelled: when its last waiter gives up
+          (cancelled, timed out, interrupted) and it is not in the prefetch window.
         * All state changes happen on the I/O thread; other threads only submit work.
         * The prefetch window is the first ``settings.prefetch_chunks`` hinted chunks the
           reader has not asked for yet; hinted downloads that leave the window with no
@@ -90,6 +100,9 @@ class Downloader:
         self._verify_local = verify_local
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
+        self._all = ProgressClock()  # moves with any download of this downloader
+        self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
+        self.stall_s = settings.timeout_s + settings.backoff_max_s + _STALL_SLACK_S
         self._waiters: dict[str, int] = {}
         self._queue: list[ChunkSpec] = []
         self._hinted: set[str] = set()
@@ -108,6 +121,40 @@ class Downloader:
         """A Future of the local path of chunk ``name``, downloading it if needed."""
         return self._lt.submit(self.ensure_async(name, size, checksum))
 
+    @property
+    def progress(self) -> ProgressClock:
+        """The clock that moves with any download of this downloader (read-only use)."""
+        return self._all
+
+    def wait(self, fut: concurrent.futures.Future[str], name: str) -> str:
+        """The result of ``fut`` (from :meth:`ensure` of ``name``), bounded by progress.
+
+        Waits in slices; gives up with :class:`StorageTimeoutError` only when the download
+        showed no sign of life (bytes, a new attempt, a phase with its own bound) for
+        :attr:`stall_s`, so a large chunk on a slow but live link is waited for. On any
+        exit without a result (timeout, ``KeyboardInterrupt``) ``fut`` is cancelled, which
+        cancels the download unless another caller still wants it.
+        """
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    return fut.result(timeout=min(_WAIT_SLICE_S, self.stall_s))
+                except concurrent.futures.TimeoutError:
+                    pass
+                now = time.monotonic()
+                clock = self._clocks.get(name, self._all)
+                idle = min(now - start, clock.idle_s(now))
+                if idle > self.stall_s:
+                    url = self.storage.object_url(name)
+                    raise StorageTimeoutError(
+                        f"{url}: no progress for {idle:.0f}s (bytes so far: {clock.bytes})",
+                        url=url,
+                    )
+        except BaseException:
+            fut.cancel()
+            raise
+
     def hint(self, chunks: Iterable[ChunkSpec | str]) -> None:
         """Say which chunks come next, in order; replaces the previous hint. Never blocks."""
         specs = [c if isinstance(c, ChunkSpec) else ChunkSpec(c) for c in chunks]
@@ -122,6 +169,11 @@ class Downloader:
             self._lt.call(self.cancel_all(), timeout)
         except Exception:  # a closed I/O thread has nothing left to cancel
             log.debug("downloader close: I/O thread already gone")
+
+    async def aclose(self) -> None:
+        """Cancel downloads in flight and forget the hint, on the I/O thread. Idempotent."""
+        self._closed = True
+        await self.cancel_all()
 
     # -- the async core ------------------------------------------------------------------
     async def ensure_async(
@@ -141,6 +193,11 @@ class Downloader:
         t0 = time.monotonic()
         try:
             return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The caller gave up: the download goes on only if someone else wants it.
+            if self._waiters[name] == 1 and not task.done() and not self._in_window(name):
+                task.cancel()
+            raise
         finally:
             self.stats.wait_s += time.monotonic() - t0
             self._waiters[name] -= 1
@@ -164,9 +221,28 @@ class Downloader:
         """A caller is waiting for ``name`` now (not just a prefetch): it goes first."""
         return self._waiters.get(name, 0) > 0
 
+    def _in_window(self, name: str) -> bool:
+        return any(s.name == name for s in self._window())
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, name: str, clock: ProgressClock) -> AsyncIterator[None]:
+        """A concurrency slot for a request of ``name``; queueing for it is not a stall
+        as long as the downloader moves (a slot frees when another request ends)."""
+        clock.queued += 1
+        queued = True
+        try:
+            async with self._gate.slot(functools.partial(self._wanted, name)):
+                clock.queued -= 1
+                queued = False
+                yield
+        finally:
+            if queued:
+                clock.queued -= 1
+
     def _start(self, spec: ChunkSpec) -> asyncio.Task[str]:
         task = self._inflight.get(spec.name)
         if task is None:
+            self._clocks[spec.name] = ProgressClock(self._all)
             task = asyncio.get_running_loop().create_task(
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
             )
@@ -177,6 +253,7 @@ class Downloader:
     def _done(self, name: str, task: asyncio.Task[str]) -> None:
         if self._inflight.get(name) is task:
             del self._inflight[name]
+            self._clocks.pop(name, None)
         self._hinted.discard(name)
         if not task.cancelled() and task.exception() is not None:
             log.debug("download of %s failed: %r", name, task.exception())
@@ -188,20 +265,27 @@ class Downloader:
         from ..errors import DiskFullError  # local: the disk-full retry is self-contained
 
         self.stats.started()
+        clock = self._clocks.get(spec.name) or ProgressClock(self._all)
         try:
             size = spec.size
             if size is None:
                 size = (await self.storage.head(spec.name)).size
+            clock.quiet(self.store.lock_timeout_s)  # another process may be downloading it
             async with self.store.download_lock(spec.name):
+                clock.resume()
                 if self.store.is_cached(spec.name, size):
                     return str(self.store.path(spec.name))  # another process published it
                 for round_ in (1, 2):
+                    clock.quiet(self.store.lock_timeout_s)  # may wait for another evictor
                     tmp = await self.store.reserve(spec.name, size)
+                    clock.resume()
                     try:
                         streamed = await self._fill(spec.name, size, tmp, spec.checksum)
                         url = self.storage.object_url(spec.name)
+                        clock.quiet(self.settings.timeout_s + size / _MIN_VERIFY_BYTES_PER_S)
                         await in_thread(_verify_fd, tmp, spec, url, streamed)
                         await in_thread(tmp.publish)
+                        clock.resume()
                         break
                     except ChecksumMismatchError:
                         tmp.discard()
@@ -231,6 +315,7 @@ class Downloader:
         """
         parts = split_parts(size, self.settings.part_bytes)
         hasher = xxhash.xxh3_64() if checksum and len(parts) == 1 else None
+        clock = self._clocks.get(key) or ProgressClock(self._all)
         await gather_or_cancel(
             fetch_range(
                 self.storage,
@@ -240,9 +325,11 @@ class Downloader:
                 tmp,
                 policy=self._policy,
                 timeout_s=self.settings.timeout_s,
-                slot=functools.partial(self._gate.slot, functools.partial(self._wanted, key)),
+                slot=functools.partial(self._slot, key, clock),
                 stats=self.stats,
                 hasher=hasher,
+                min_bytes_per_s=self.settings.min_bytes_per_s,
+                progress=clock,
             )
             for start, end in parts
         )

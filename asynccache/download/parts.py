@@ -12,6 +12,7 @@ from typing import Protocol
 from ..cache.layout import TempFile
 from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
 from ..storage.base import Storage
+from .progress import ProgressClock
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
@@ -25,6 +26,8 @@ class Hasher(Protocol):
 
 
 log = logging.getLogger(__name__)
+
+_ACLOSE_S = 5.0  # the bound on closing an abandoned response
 
 
 def split_parts(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -46,14 +49,18 @@ async def fetch_range(
     slot: Callable[[], AbstractAsyncContextManager[None]],
     stats: DownloadStats,
     hasher: Hasher | None = None,
+    min_bytes_per_s: int = 0,
+    progress: ProgressClock | None = None,
 ) -> None:
     """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
 
     ``hasher`` (optional) is fed every byte in order; resuming keeps that true, since a
     retry continues exactly after the last byte fed.
 
-    A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte) is
-    retried after a backoff, resuming from the first byte not yet received. Each
+    A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte, or
+    fewer than ``min_bytes_per_s`` over a ``timeout_s`` window) is retried after a
+    backoff, resuming from the first byte not yet received. ``progress`` (optional) is
+    touched as bytes land and attempts start and end, for waiters on other threads. Each
     attempt holds one ``slot()`` of the process's concurrency limit while its request is
     open, and not while it sleeps.
 
@@ -67,7 +74,19 @@ async def fetch_range(
     while True:
         try:
             async with slot():
-                await _stream(storage, key, cursor, end, out, timeout_s, stats, hasher)
+                if progress is not None:
+                    progress.moved()  # an attempt starts
+                await _stream(
+                    storage,
+                    key,
+                    cursor,
+                    end,
+                    out,
+                    _Limits(timeout_s, min_bytes_per_s),
+                    stats,
+                    hasher,
+                    progress,
+                )
             if cursor[0] < end:
                 raise TransientError(
                     f"short body from {storage.object_url(key)}: {cursor[0] - start} of "
@@ -86,8 +105,19 @@ async def fetch_range(
                 ) from exc
             stats.retries += 1
             delay = policy.delay(failures, exc.retry_after)
+            if progress is not None:
+                progress.quiet(delay)  # a bounded sleep, not a stall
             log.debug("retrying %s at byte %d in %.2fs: %s", key, cursor[0], delay, exc)
             await asyncio.sleep(delay)
+
+
+class _Limits:
+    """What counts as a stall: no byte for ``timeout_s``, or under ``min_bytes_per_s``."""
+
+    __slots__ = ("min_bytes_per_s", "timeout_s")
+
+    def __init__(self, timeout_s: float, min_bytes_per_s: int) -> None:
+        self.timeout_s, self.min_bytes_per_s = timeout_s, min_bytes_per_s
 
 
 async def _stream(
@@ -96,17 +126,20 @@ async def _stream(
     cursor: list[int],
     end: int,
     out: TempFile,
-    timeout_s: float,
+    limits: _Limits,
     stats: DownloadStats,
     hasher: Hasher | None,
+    progress: ProgressClock | None,
 ) -> None:
     """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
     pos = cursor[0]
     pieces = storage.iter_range(key, pos, end).__aiter__()
-    watchdog = _StallWatchdog(timeout_s)
+    watchdog = _StallWatchdog(limits.timeout_s, limits.min_bytes_per_s)
     try:
         async for piece in pieces:
-            watchdog.progress()
+            watchdog.progress(len(piece))
+            if progress is not None:
+                progress.moved(len(piece))
             if len(piece) > end - pos:
                 piece = piece[: end - pos]
             out.pwrite(piece, pos)
@@ -121,41 +154,68 @@ async def _stream(
         if not watchdog.fired:
             raise
         watchdog.uncancel()
+        url = storage.object_url(key)
+        if watchdog.slow is not None:
+            got, window = watchdog.slow
+            raise StorageTimeoutError(
+                f"stalled: {url} sent {got} bytes in {window:.1f}s at byte {pos}, below "
+                f"ASYNCCACHE_MIN_BYTES_PER_S={limits.min_bytes_per_s}",
+                url=url,
+            ) from None
         raise StorageTimeoutError(
-            f"no bytes from {storage.object_url(key)} for {timeout_s}s at byte {pos}",
-            url=storage.object_url(key),
+            f"stalled: no bytes from {url} for {limits.timeout_s}s at byte {pos}", url=url
         ) from None
     finally:
         watchdog.close()
+        if progress is not None:
+            progress.quiet(_ACLOSE_S)  # closing the response is bounded on its own
         await _aclose(pieces)
 
 
 class _StallWatchdog:
-    """Cancels the current task when no progress was reported for ``timeout_s``.
+    """Cancels the current task when no byte arrived for ``timeout_s``, or when fewer than
+    ``min_bytes_per_s * timeout_s`` bytes arrived over a window of ``timeout_s`` (a
+    trickle counts as a stall; 0 turns that floor off).
 
     One timer per ``timeout_s`` rather than one per piece: pieces can be a few KiB, and a
-    ``wait_for`` per piece would cost a task each.
+    ``wait_for`` per piece would cost a task each. ``slow`` says which rule fired:
+    ``(bytes, seconds)`` of the window that fell below the floor, or None.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, min_bytes_per_s: int = 0) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._timeout_s = timeout_s
-        self._last = self._loop.time()
+        self._floor = min_bytes_per_s
+        self._last = self._window_start = self._loop.time()
+        self._window_bytes = 0
         self.fired = False
+        self.slow: tuple[int, float] | None = None
         self._handle = self._loop.call_later(timeout_s, self._check)
 
-    def progress(self) -> None:
+    def progress(self, nbytes: int = 0) -> None:
         self._last = self._loop.time()
+        self._window_bytes += nbytes
 
     def _check(self) -> None:
-        idle = self._loop.time() - self._last
+        now = self._loop.time()
+        idle = now - self._last
+        window = now - self._window_start
+        if idle < self._timeout_s and window >= self._timeout_s and self._floor > 0:
+            if self._window_bytes < self._floor * window:
+                self.slow = (self._window_bytes, window)
+                idle = self._timeout_s  # below the floor: a stall
+            else:
+                self._window_start, self._window_bytes, window = now, 0, 0.0
         if idle >= self._timeout_s:
             self.fired = True
             if self._task is not None:
                 self._task.cancel()
         else:
-            self._handle = self._loop.call_later(self._timeout_s - idle, self._check)
+            wait = self._timeout_s - idle
+            if self._floor > 0:
+                wait = min(wait, self._timeout_s - window)
+            self._handle = self._loop.call_later(max(wait, 0.001), self._check)
 
     def uncancel(self) -> None:
         """Withdraw our own cancel request (Python 3.11+ counts them)."""
@@ -171,4 +231,4 @@ async def _aclose(pieces: object) -> None:
     aclose = getattr(pieces, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(Exception):  # best-effort cleanup of a failed stream
-            await asyncio.wait_for(aclose(), 5.0)
+            await asyncio.wait_for(aclose(), _ACLOSE_S)

@@ -13,7 +13,8 @@ class DownloadStats:
     """Counters of one downloader. Updated on the I/O thread only; read anywhere.
 
     ``busy_s`` counts wall time with at least one download in flight, so ``bytes_per_s``
-    is the throughput while working, not diluted by idle time.
+    is the throughput while working, not diluted by idle time. ``peak_inflight`` is the
+    most downloads that were in flight at once.
     """
 
     bytes: int = 0
@@ -23,6 +24,7 @@ class DownloadStats:
     retries: int = 0
     wait_s: float = 0.0
     busy_s: float = 0.0
+    peak_inflight: int = 0
     _active: int = dataclasses.field(default=0, repr=False)
     _busy_since: float = dataclasses.field(default=0.0, repr=False)
 
@@ -35,6 +37,7 @@ class DownloadStats:
         if self._active == 0:
             self._busy_since = time.monotonic()
         self._active += 1
+        self.peak_inflight = max(self.peak_inflight, self._active)
 
     def finished(self) -> None:
         self._active -= 1

@@ -195,3 +195,45 @@ def test_sessions_closed_at_exit_without_warnings() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "Unclosed" not in out.stderr and "Warning" not in out.stderr, out.stderr
+
+
+_REMOTE_EXIT = """
+import sys
+from asynccache.source import DatasetSource
+from asynccache.torch.streaming import StreamingDataset
+
+options, url, cache, case = eval(sys.argv[1])
+if case == "error after reading":
+    ds = StreamingDataset(url, cache_dir=cache, storage_options=options)
+    assert ds[0]["name"] == "item-0"
+    raise RuntimeError("the user's code failed")
+if case == "missing dataset":
+    DatasetSource(url + "-missing", cache_dir=cache, storage_options=options)
+if case == "missing chunk":
+    src = DatasetSource(url, cache_dir=cache, storage_options=options)
+    src.downloader().ensure("chunk-9-9.bin", 10).result(30)  # not in the bucket
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["error after reading", "missing dataset", "missing chunk"])
+def test_no_unclosed_session_at_exit_after_an_error(tmp_path, objstore, bucket, case) -> None:
+    from tests.remote_data import upload_dataset, write_dataset
+
+    src = write_dataset(tmp_path / "src", 8, chunk_size=4)
+    url = upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
+    arg = repr((objstore.storage_options, url, str(tmp_path / "cc"), case))
+    out = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", _REMOTE_EXIT, arg],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr  # the error, and nothing else
+    expected = {
+        "error after reading": "RuntimeError",
+        "missing dataset": "ObjectNotFoundError",
+        "missing chunk": "ObjectNotFoundError",
+    }[case]
+    assert expected in out.stderr, out.stderr
+    assert "Unclosed" not in out.stderr and "ResourceWarning" not in out.stderr, out.stderr

@@ -1,0 +1,73 @@
+"""``Connection``: what one dataset holds open in one process, closed exactly once.
+
+A remote dataset needs a storage backend (an HTTP session on the process's I/O thread),
+a chunk store (pin descriptors) and a downloader (tasks on that loop). They belong to the
+process that made them. A ``Connection`` bundles them so that an explicit ``close()``,
+garbage collection of the dataset, and interpreter exit all release them the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from ..bridge import LoopThread
+from ..cache.store import ChunkStore
+from ..storage.base import Storage
+from .downloader import Downloader
+
+__all__ = ["Connection"]
+
+
+class Connection:
+    """A storage backend, and lazily a store and downloader, of one process.
+
+    Invariants:
+        * ``pid`` is the process that made it. In any other process (a forked child)
+          :meth:`close` does nothing: the session lives on the parent's loop, and the
+          parent's loop thread, abandoned in the child, keeps it referenced there.
+        * While open it is registered once with its loop thread, so the loop's
+          :meth:`~LoopThread.close` at exit closes it; :meth:`close` unregisters it, so a
+          closed connection holds no place in the loop thread.
+        * :meth:`close` is idempotent and never blocks: downloads are cancelled, then the
+          session closed, on the I/O thread (``close_soon``); pins are released at once.
+          It may run in a garbage-collection finalizer, on any thread.
+    """
+
+    def __init__(self, storage: Storage, loop_thread: LoopThread) -> None:
+        self.pid = os.getpid()
+        self.storage = storage
+        self.store: ChunkStore | None = None
+        self.downloader: Downloader | None = None
+        self._lt = loop_thread
+        self._mu = threading.Lock()
+        self._closed = False
+        self._unregister: Callable[[], None] = loop_thread.register_closer(self._aclose)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def attach(self, store: ChunkStore, downloader: Downloader) -> None:
+        """Hold ``store`` and ``downloader`` (made over :attr:`storage`) until closed."""
+        self.store, self.downloader = store, downloader
+
+    def close(self) -> None:
+        """Release everything, without waiting for the session to finish closing."""
+        if self.pid != os.getpid():
+            return  # a forked child: nothing here is ours to close
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+        self._unregister()
+        if self.store is not None:
+            self.store.close()
+        self._lt.close_soon(self._aclose)
+
+    async def _aclose(self) -> None:
+        self._closed = True
+        if self.downloader is not None:
+            await self.downloader.aclose()  # downloads first: they use the session
+        await self.storage.close()
