@@ -163,7 +163,9 @@ class DatasetSource:
 
     def downloader(self) -> Downloader:
         """The downloader of this process (remote datasets only)."""
-        conn = self._connect()
+        return self._downloader_of(self._connect())
+
+    def _downloader_of(self, conn: Connection) -> Downloader:
         with self._mu:
             if conn.downloader is None:
                 store = ChunkStore.for_dataset(
@@ -203,7 +205,8 @@ class DatasetSource:
         entry = entry or self.index.chunks[ci]
         if not self.remote:
             return os.path.join(local_dir(self.url), entry.filename)
-        dl = self.downloader()
+        conn = self._connect()
+        dl = self._downloader_of(conn)
         spec = self.spec(ci)
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
             # Bounded by progress: a slow but live download is waited for, a stuck one is
@@ -211,6 +214,8 @@ class DatasetSource:
             dl.wait(dl.ensure(spec.name, spec.size, spec.checksum), spec.name)
             path = dl.store.pin(spec.name)
             if path is not None:
+                with self._mu:
+                    conn.pinned[spec.name] += 1
                 return path
         raise TransientError(
             f"{self.url}/{entry.filename}: evicted again right after "
@@ -221,13 +226,27 @@ class DatasetSource:
     def release(self, ci: int) -> None:
         """Undo one :meth:`acquire` (no-op for local datasets)."""
         conn = self._live() if self.remote else None
-        if conn is not None and conn.store is not None and not conn.closed:
-            conn.store.unpin(self.index.chunks[ci].filename)
+        if conn is None or conn.store is None or conn.closed:
+            return  # the pin went with its connection (closed, or the parent's)
+        name = self.index.chunks[ci].filename
+        with self._mu:
+            if conn.pinned[name] <= 0:
+                return  # pinned through an earlier connection, released with it
+            conn.pinned[name] -= 1
+        conn.store.unpin(name)
 
     def hint(self, chunks: Iterable[int]) -> None:
         """These chunks come next, in this order: download them ahead (remote only)."""
         if self.remote:
             self.downloader().hint([self.spec(ci) for ci in chunks])
+
+    @property
+    def store(self) -> ChunkStore | None:
+        """The local chunk store of this process, once a chunk was asked for (else None)."""
+        conn = self._live()
+        return conn.store if conn is not None else None
+
+    _store = store  # the name older callers used
 
     @property
     def stats(self) -> DownloadStats:

@@ -8,6 +8,7 @@ garbage collection of the dataset, and interpreter exit all release them the sam
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from collections.abc import Callable
@@ -30,6 +31,9 @@ class Connection:
         * While open it is registered once with its loop thread, so the loop's
           :meth:`~LoopThread.close` at exit closes it; :meth:`close` unregisters it, so a
           closed connection holds no place in the loop thread.
+        * ``pinned`` counts the pins taken through this connection, so a pin is only ever
+          released into the store that granted it (not into a later connection's store
+          after a close or a fork).
         * :meth:`close` is idempotent and never blocks: downloads are cancelled, then the
           session closed, on the I/O thread (``close_soon``); pins are released at once.
           It may run in a garbage-collection finalizer, on any thread.
@@ -40,6 +44,7 @@ class Connection:
         self.storage = storage
         self.store: ChunkStore | None = None
         self.downloader: Downloader | None = None
+        self.pinned: collections.Counter[str] = collections.Counter()
         self._lt = loop_thread
         self._mu = threading.Lock()
         self._closed = False
