@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
-from collections.abc import Callable, Iterator, Sized
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from ..errors import ConfigError, ResumeStateError
 from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
-from .map_order import EpochSampler, epoch_order, rank_share
+from .map_order import EpochSampler, epoch_order, map_batch_count, map_batches, rank_share
 from .streaming import StreamingDataset
 from .writepass import IterableWritePass, MapWritePass, owned_cache, wait_for_index
 
@@ -24,6 +26,94 @@ STATE_VERSION = 1
 
 def _identity(batch: Any) -> Any:
     return batch
+
+
+def _lazy(batches: Iterable[Any]) -> Iterator[Any]:
+    """Iterate ``batches`` only when the first batch is asked for (DataLoader workers
+    start then, not at ``iter()``)."""
+    yield from batches
+
+
+class _ByKey(Dataset[Any]):
+    """A written dataset read by key: ``ds[k]`` is the item written under key ``k``."""
+
+    def __init__(self, stream: StreamingDataset) -> None:
+        self.stream = stream
+
+    def __len__(self) -> int:
+        return self.stream.num_items
+
+    def __getitem__(self, key: int) -> Any:
+        return self.stream[key]
+
+
+class _Epoch:
+    """One epoch's batches as the consumer receives them, and how many it received.
+
+    Invariants:
+
+    * ``received`` is the only count the loader's state reports. It counts the batches
+      returned from ``__next__`` (plus ``received`` at the start, for a resumed epoch).
+    * After ``close()`` nothing is counted any more: a batch that a producer thread
+      stuck inside the source returns later is dropped, not handed out, not counted.
+      The check and the count happen under one lock, so ``close()`` either precedes a
+      batch (not counted) or follows it (counted, and the caller got it).
+    * ``map_order``: the epoch runs in the writing epoch's order (the writing epoch, or
+      its rest read back from the filled cache); else in the streamed order.
+    """
+
+    def __init__(self, epoch: int, map_order: bool, received: int) -> None:
+        self.epoch, self.map_order, self.received = epoch, map_order, received
+        self._inner: Iterator[Any] = iter(())
+        self._lock = threading.Lock()
+        self._closed = False
+        self._running = False  # a thread is inside next(self._inner)
+
+    def run(self, inner: Iterator[Any]) -> _Epoch:
+        self._inner = inner
+        return self
+
+    def restart(self, epoch: int, map_order: bool) -> None:
+        """The batches that follow belong to ``epoch``, from its start."""
+        with self._lock:
+            self.epoch, self.map_order, self.received = epoch, map_order, 0
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            self._running = True
+        try:
+            batch = next(self._inner)
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
+        with self._lock:
+            self._running = False
+            closed = self._closed
+            if not closed:
+                self.received += 1
+        if closed:
+            self._close_inner()
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        """Stop the epoch: no batch is handed out or counted after this returns."""
+        with self._lock:
+            self._closed = True
+            running = self._running
+        if not running:  # else the thread inside it closes it when it comes out
+            self._close_inner()
+
+    def _close_inner(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if callable(close):
+            close()
 
 
 class CacheDataLoader:
@@ -124,9 +214,13 @@ class CacheDataLoader:
         self.kwargs = kwargs
         self._epoch = 0  # the epoch the next iter() runs
         self._current = 0  # the epoch running (or last run)
-        self._batches = 0  # batches the consumer received in it
+        self._batches = 0  # the writing epoch's count of re-read batches (see _it for resume)
         self._writing = False
-        self._resume: dict[str, Any] | None = None
+        # The epoch started by the latest iter(); None: none since construction,
+        # set_epoch() or load_state_dict(). Its `received` is what state_dict reports.
+        self._it: _Epoch | None = None
+        self._resume: dict[str, Any] | None = None  # a loaded position, for the next iter()
+        self._loaded: dict[str, Any] | None = None  # the state it came from, as loaded
         self._check_matches()
 
     def _check_matches(self) -> None:
@@ -167,14 +261,27 @@ class CacheDataLoader:
     # -- epochs --------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        """The epoch the next ``iter()`` runs."""
-        return self._epoch
+        """The epoch the next ``iter()`` runs (after ``load_state_dict``: the one it resumes)."""
+        r = self._resume
+        if r is None:
+            return self._epoch
+        return int(r["epoch"]) + (1 if r.get("complete") else 0)
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run ``epoch`` from its start (drops a loaded state)."""
         self._epoch = epoch
-        self._resume = None
+        self._resume = self._loaded = None
+        self._it = None
 
     def __len__(self) -> int:
+        r = self._resume
+        if r is not None and r.get("writing") and not r.get("complete"):
+            # The rest of a map-order epoch (counted only for a map-style source).
+            world = distributed.current()
+            n = r.get("items")
+            if n is not None:
+                total = map_batch_count(n, world.world_size, self.batch_size, self.drop_last)
+                return max(0, total - int(r["batches"]))
         if self._owned or self._must_write():
             world = distributed.current()
             n = (
@@ -192,36 +299,90 @@ class CacheDataLoader:
         return -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        resume, self._resume = self._resume, None
+        """Start the next epoch (or the loaded position) and return its batches.
+
+        Everything a checkpoint depends on is set up here, not at the first batch: a
+        state taken between ``iter()`` and the first batch is the start of this epoch.
+        """
+        resume, self._resume, self._loaded = self._resume, None, None
+        if self._it is not None:  # a superseded epoch counts nothing any more
+            self._it.close()
         epoch = int(resume["epoch"]) if resume else self._epoch
+        self._writing = self._must_write()
+        if resume is not None and resume.get("writing"):
+            skip = int(resume["batches"])
+            if resume.get("complete") and self._writing:
+                # Every batch was received but the cache never merged: write it without
+                # handing anything out, then run the next epoch.
+                self._begin(epoch, True, skip)
+                assert self._it is not None
+                return self._it.run(self._write_then_stream(self._it, epoch, skip))
+            if resume.get("complete"):
+                epoch, resume = epoch + 1, None  # nothing left of it: the next epoch
+            elif self._writing:
+                return self._begin(epoch, True, skip).run(self._write_epoch(epoch, skip))
+            else:  # merged since the state was taken: read the rest from the cache
+                return self._begin(epoch, True, skip).run(self._tail_epoch(epoch, skip))
+        if self._owned:
+            return self._begin(epoch, False, 0).run(self._owned_epoch(epoch))
+        if self._writing:
+            return self._begin(epoch, True, 0).run(self._write_epoch(epoch, 0))
+        return self._begin(epoch, False, 0).run(self._stream_epoch(epoch, resume))
+
+    def _begin(self, epoch: int, map_order: bool, received: int) -> _Epoch:
         self._epoch = epoch + 1
         self._current, self._batches = epoch, 0
-        self._writing = self._must_write()
-        if self._owned:
-            return self._count(self._owned_epoch(epoch))
-        if self._must_write():
-            skip = int(resume["batches"]) if resume else 0
-            return self._count(self._write_epoch(epoch, skip))
-        return self._count(self._stream_epoch(epoch, resume))
-
-    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in batches:
-            self._batches += 1  # before the yield: the consumer has it when it resumes us
-            yield batch
+        self._it = _Epoch(epoch, map_order, received)
+        return self._it
 
     def _loader(self, dataset: Any, **kw: Any) -> DataLoader[Any]:
         return DataLoader(dataset, num_workers=self.num_workers, **kw, **self.kwargs)
 
     def _stream_epoch(self, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
+        """Position the dataset now (so a state taken before the first batch is right);
+        the DataLoader starts at the first batch."""
         ds = self._streaming()
         if resume is not None:
             ds.load_state_dict(resume["stream"])
         else:
             ds.set_epoch(epoch)
         ds.batch_size, ds.num_workers = self.batch_size, max(1, self.num_workers)
-        yield from self._loader(
-            ds, batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=self.collate_fn
+        return _lazy(
+            self._loader(
+                ds,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                collate_fn=self.collate_fn,
+            )
         )
+
+    def _map_batches(self, epoch: int, n: int) -> list[list[int]]:
+        world = distributed.current()
+        return map_batches(
+            n,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            rank=world.rank,
+            world_size=world.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+
+    def _tail_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
+        """The batches after the first ``skip`` of writing epoch ``epoch``, in its order,
+        read back from the filled cache (the dataset is not touched)."""
+        ds = self._streaming()
+        rest = self._map_batches(epoch, ds.num_items)[skip:]
+        return _lazy(self._loader(_ByKey(ds), batch_sampler=rest, collate_fn=self.collate_fn))
+
+    def _write_then_stream(self, it: _Epoch, epoch: int, skip: int) -> Iterator[Any]:
+        for _ in self._write_epoch(epoch, skip):  # every batch is skipped: nothing comes
+            pass
+        nxt = self._stream_epoch(epoch + 1, None)
+        self._epoch, self._current = epoch + 2, epoch + 1
+        it.restart(epoch + 1, map_order=False)
+        yield from nxt
 
     def _owned_epoch(self, epoch: int) -> Iterator[Any]:
         assert self.cache is not None
@@ -321,30 +482,84 @@ class CacheDataLoader:
 
     # -- resume --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What the consumer has received, as of the last batch it got. Constant size."""
-        world = distributed.current()
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "epoch": self._current,
-            "batches": self._batches,
-            "world": world.world_size,
-            "num_workers": max(1, self.num_workers),
-            "batch_size": self.batch_size,
-            "writing": self._writing,
-        }
+        """What the consumer has received, as of the last batch it got. Constant size.
+
+        * Between ``iter()`` and the first batch: the start of that epoch.
+        * Before any ``iter()`` (or after ``set_epoch``): the start of :attr:`epoch`;
+          right after ``load_state_dict``: the loaded position.
+        * After an epoch's last batch (with ``drop_last``: its last full batch): an
+          epoch with nothing left, which resumes with the next epoch.
+        * During the writing epoch (or its rest read back from the cache), the state
+          has ``writing=True`` and counts batches of the writing epoch's order.
+        """
         if self._owned:
             raise ResumeStateError(
                 "a dataset that fills its own Cache can't be resumed mid-epoch; pass the "
                 "cache directory to CacheDataLoader instead to stream it resumably"
             )
-        if not self._writing and not self._must_write():
-            ds = self._streaming()
-            nw = max(1, self.num_workers)
-            ds.batch_size, ds.num_workers = self.batch_size, nw
-            received = min(self._batches * self.batch_size, len(ds))
-            state["stream"] = ds.state_dict(
-                received=received, num_workers=nw, batch_size=self.batch_size
-            )
+        if self._resume is not None and self._loaded is not None:
+            return copy.deepcopy(self._loaded)
+        it = self._it
+        if it is None:  # no epoch started: the start of the next one
+            if self._must_write():
+                return self._map_state(self._epoch, 0)
+            self._streaming().set_epoch(self._epoch)
+            return self._stream_state(self._epoch, 0)
+        epoch, map_order, received = it.epoch, it.map_order, it.received
+        if map_order:
+            return self._map_state(epoch, received)
+        return self._stream_state(epoch, received)
+
+    def _base_state(self, epoch: int, batches: int, writing: bool) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "batches": batches,
+            "world": distributed.current().world_size,
+            "num_workers": max(1, self.num_workers),
+            "batch_size": self.batch_size,
+            "writing": writing,
+        }
+
+    def _iterable_source(self) -> bool:
+        """The writing epoch reads an ``IterableDataset`` (its order is its own)."""
+        return isinstance(self.dataset, IterableDataset) and not isinstance(
+            self.dataset, StreamingDataset
+        )
+
+    def _map_items(self) -> int | None:
+        """Items of the map-order epoch; None for an ``IterableDataset`` being written."""
+        if not self._must_write():
+            return self._streaming().num_items
+        if isinstance(self.dataset, IterableDataset) or not isinstance(self.dataset, Sized):
+            return None
+        return len(self.dataset)
+
+    def _map_state(self, epoch: int, batches: int) -> dict[str, Any]:
+        state = self._base_state(epoch, batches, True)
+        iterable = self._iterable_source()
+        state.update(
+            items=self._map_items(),
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            source="iterable" if iterable else "map",
+        )
+        return state
+
+    def _stream_state(self, epoch: int, batches: int) -> dict[str, Any]:
+        ds = self._streaming()
+        nw = max(1, self.num_workers)
+        ds.batch_size, ds.num_workers = self.batch_size, nw
+        left = len(ds)  # what this rank had still to receive when the epoch (part) began
+        received = min(batches * self.batch_size, left)
+        if self.drop_last and left - received < self.batch_size:
+            # The short last batch is dropped, never received: the epoch is over.
+            received = left
+        state = self._base_state(epoch, batches, False)
+        state["stream"] = ds.state_dict(
+            received=received, num_workers=nw, batch_size=self.batch_size
+        )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -356,23 +571,72 @@ class CacheDataLoader:
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ResumeStateError("not a CacheDataLoader state")
+        if self._owned:
+            raise ResumeStateError("a dataset that fills its own Cache can't be resumed")
         if state.get("writing"):
-            world = distributed.current()
-            if not self._must_write():
+            resume = self._load_map_state(state)
+        else:
+            if "stream" not in state:
+                raise ResumeStateError("the state has no streaming position")
+            ds = self._streaming()
+            ds.load_state_dict(state["stream"])  # validates the dataset, seed and shuffle
+            resume = {"epoch": ds.epoch, "stream": state["stream"]}
+        if self._it is not None:  # the running epoch is over for the consumer
+            self._it.close()
+            self._it = None
+        self._resume, self._loaded = resume, copy.deepcopy(state)
+
+    def _load_map_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Check a writing-epoch state against this loader; where the next iter() goes.
+
+        Before the cache is merged the writing epoch is re-run, skipping what was
+        received: same world size, workers and batch size. After the merge its rest is
+        read from the cache in the same order: same world size and batch size.
+        """
+        world = distributed.current()
+        for key, mine in (
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("drop_last", self.drop_last),
+        ):
+            if key in state and state[key] != mine:
                 raise ResumeStateError(
-                    "the state is from the writing epoch, but this cache is already filled"
+                    f"the state was saved with {key}={state[key]!r}, this loader has "
+                    f"{key}={mine!r}; it can't continue that epoch"
                 )
+        got: tuple[int, ...]
+        want: tuple[int, ...]
+        if self._must_write():
             got = (state["world"], state["num_workers"], state["batch_size"])
             want = (world.world_size, max(1, self.num_workers), self.batch_size)
-            if got != want:
+            what = "(world size, workers, batch size)"
+        else:
+            if state.get("source") == "iterable" or self._iterable_source():
                 raise ResumeStateError(
-                    f"the writing epoch resumes only with the same (world size, workers, "
-                    f"batch size): state has {got}, this loader {want}"
+                    "the state is from the writing epoch of an IterableDataset; its order "
+                    "is not kept once the cache is merged, so it can't be continued"
                 )
-            self._resume = dict(state)
-            return
-        if "stream" not in state:
-            raise ResumeStateError("the state has no streaming position")
-        ds = self._streaming()
-        ds.load_state_dict(state["stream"])  # validates the dataset, seed and shuffle
-        self._resume = {"epoch": ds.epoch, "stream": state["stream"]}
+            got = (state["world"], state["batch_size"])
+            want = (world.world_size, self.batch_size)
+            what = "(world size, batch size)"
+        if got != want:
+            raise ResumeStateError(
+                f"the writing epoch resumes only with the same {what}: state has {got}, "
+                f"this loader {want}"
+            )
+        n = self._map_items()
+        if n is not None and state.get("items", n) != n:
+            raise ResumeStateError(
+                f"the state is from a dataset of {state['items']} items, this one has {n}"
+            )
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        complete = n is not None and batches >= map_batch_count(
+            n, world.world_size, self.batch_size, self.drop_last
+        )
+        return {
+            "writing": True,
+            "epoch": epoch,
+            "batches": batches,
+            "items": n,
+            "complete": complete,
+        }

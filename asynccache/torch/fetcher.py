@@ -88,6 +88,26 @@ def _produce_one(
         return _Failed(exc)
 
 
+def _close_iterator(iterator: Iterator[Any]) -> None:
+    """Tells the source's iterator that nobody takes its batches any more.
+
+    A stateful source (``CacheDataLoader``) stops counting there, so a batch that a
+    producer thread stuck in the source returns after ``close()`` never advances the
+    source's state. A generator still running in the producer thread can't be closed
+    from another thread (``ValueError``); the feed closes it again once the thread has
+    left it, or the generator is closed when it is collected.
+    """
+    close = getattr(iterator, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except ValueError:  # "generator already executing": in the producer thread
+        pass
+    except Exception:  # the source's own clean-up failed: the epoch is over anyway
+        _log.warning("closing the source's iterator failed", exc_info=True)
+
+
 class _Channel:
     """A bounded FIFO from one producer to one consumer that the consumer can peek at.
 
@@ -171,6 +191,7 @@ class _ThreadFeed:
         capacity: int,
     ) -> None:
         self._channel = _Channel(capacity)
+        self._iterator = iterator
         self._thread = threading.Thread(
             target=_run_producer,
             args=(iterator, self._channel, transfer, snapshot),
@@ -187,8 +208,11 @@ class _ThreadFeed:
 
     def close(self, timeout_s: float) -> None:
         self._channel.close()
+        _close_iterator(self._iterator)  # before the join: a stuck producer commits nothing
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if not self._thread.is_alive():
+            _close_iterator(self._iterator)  # a generator the thread was inside is free now
+        else:
             _log.warning(
                 "the fetcher's producer is still inside the source after %.1f s; "
                 "it exits as soon as the source returns",
@@ -218,6 +242,8 @@ class _SyncFeed:
         self._head = None
 
     def close(self, timeout_s: float) -> None:
+        if self._iterator is not None:
+            _close_iterator(self._iterator)
         self._iterator = None
         self._head = None
 
@@ -269,6 +295,9 @@ class Fetcher(Generic[T]):
     * Each ``iter()`` starts a fresh epoch (``iter()`` on the source again) and
       stops the previous epoch's thread; ``close()`` stops it mid-epoch. No thread
       outlives its epoch, and every wait is bounded.
+    * Stopping an epoch calls ``close()`` on the source's iterator (when it has one),
+      before waiting for the thread: a batch the thread is still producing is then
+      never counted by a source that counts what its iterator hands out.
 
     Args:
         iterable: The source of batches. If it has ``state_dict``/``load_state_dict``

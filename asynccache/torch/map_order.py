@@ -31,6 +31,41 @@ def rank_share(order: list[int], rank: int, world_size: int) -> list[tuple[int, 
     return padded[rank:total:world_size]
 
 
+def map_batch_count(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches each rank receives in a map-order epoch of ``n`` keys.
+
+    Each rank's share is ``ceil(n / world_size)`` keys (see :func:`rank_share`); with
+    ``drop_last`` its short last batch is not handed out.
+    """
+    share = n if world_size == 1 or n == 0 else -(-n // world_size)
+    return share // batch_size if drop_last else -(-share // batch_size)
+
+
+def map_batches(
+    n: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    drop_last: bool,
+) -> list[list[int]]:
+    """This rank's batches of keys in a map-order epoch, in the order they are handed out.
+
+    The order of the writing epoch: :func:`epoch_order` split by :func:`rank_share`, cut
+    into batches of ``batch_size``; with ``drop_last`` the short last batch is left out.
+    ``len(result) == map_batch_count(n, world_size, batch_size, drop_last)``.
+    """
+    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
+    share = [k for k, _ in rank_share(order, rank, world_size)]
+    batches = [share[i : i + batch_size] for i in range(0, len(share), batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    return batches
+
+
 class EpochSampler(Sampler[int]):
     """This rank's keys for one epoch (see :func:`rank_share`)."""
 

@@ -144,7 +144,12 @@ def test_the_writing_epoch_resumes_exactly(tmp_path):
     assert (tmp_path / "index.json").exists()
     with pytest.raises(ResumeStateError, match="same"):
         CacheDataLoader(
-            DictDataset(30), cache_dir=tmp_path / "other", batch_size=3, num_workers=1
+            DictDataset(30),
+            cache_dir=tmp_path / "other",
+            batch_size=3,
+            num_workers=1,
+            shuffle=True,
+            seed=1,
         ).load_state_dict(state)
 
 
