@@ -121,10 +121,12 @@ class Downloader:
         """A Future of the local path of chunk ``name``, downloading it if needed."""
         return self._lt.submit(self.ensure_async(name, size, checksum))
 
-    @property
-    def progress(self) -> ProgressClock:
-        """The clock that moves with any download of this downloader (read-only use)."""
-        return self._all
+    def idle_s(self) -> float:
+        """Seconds since the liveliest download in flight showed a sign of life (or, with
+        none in flight, since any did). Safe from any thread."""
+        now = time.monotonic()
+        clocks = list(self._clocks.values())  # a copy: the I/O thread changes the dict
+        return min((c.idle_s(now) for c in clocks), default=self._all.idle_s(now))
 
     def wait(self, fut: concurrent.futures.Future[str], name: str) -> str:
         """The result of ``fut`` (from :meth:`ensure` of ``name``), bounded by progress.

@@ -67,7 +67,7 @@ def prefetch_chunks(
             now = time.monotonic()
             if done:
                 last = now
-            elif min(now - last, downloader.progress.idle_s(now)) > downloader.stall_s:
+            elif min(now - last, downloader.idle_s()) > downloader.stall_s:
                 raise StorageTimeoutError(
                     f"{downloader.storage.url}: prefetch made no progress for "
                     f"{downloader.stall_s:.0f}s",

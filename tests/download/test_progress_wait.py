@@ -159,3 +159,12 @@ def test_download_goes_on_while_another_caller_wants_it(served, tmp_path, lt) ->
         path = dl.wait(second, CHUNK)
         assert os.path.getsize(path) == size
         assert proxy.count("GET", CHUNK) == 1
+
+
+def test_min_bytes_per_s_setting() -> None:
+    from asynccache.errors import ConfigError
+
+    assert Settings.from_env({"ASYNCCACHE_MIN_BYTES_PER_S": "8KiB"}).min_bytes_per_s == 8192
+    assert Settings.from_env({"ASYNCCACHE_MIN_BYTES_PER_S": "0"}).min_bytes_per_s == 0
+    with pytest.raises(ConfigError, match="ASYNCCACHE_MIN_BYTES_PER_S"):
+        Settings.from_env({"ASYNCCACHE_MIN_BYTES_PER_S": "-1"})
