@@ -31,21 +31,29 @@ def fetcher_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
+    """Returns once ``condition()`` holds; fails the test if it doesn't within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
-            return True
+            return
         time.sleep(0.005)
-    return condition()
+    if not condition():
+        raise AssertionError(f"still waiting after {timeout_s} s: {what or condition}")
+
+
+def test_wait_until_fails_when_the_condition_never_holds() -> None:
+    with pytest.raises(AssertionError, match="still waiting"):
+        wait_until(lambda: False, timeout_s=0.05)
+    wait_until(lambda: True, timeout_s=0.05)
 
 
 @pytest.fixture(autouse=True)
 def no_thread_left_behind() -> Iterator[None]:
     baseline = threading.active_count()
     yield
-    assert wait_until(lambda: not fetcher_threads()), "a fetcher thread outlived its test"
-    assert wait_until(lambda: threading.active_count() <= baseline)
+    wait_until(lambda: not fetcher_threads(), what="a fetcher thread outlived its test")
+    wait_until(lambda: threading.active_count() <= baseline, what="threads left behind")
 
 
 class CountingSource:
@@ -220,6 +228,70 @@ def test_close_mid_epoch_is_prompt(delay_s: float) -> None:
         next(it)
 
 
+class ClosableSource:
+    """Each ``iter()`` gives an iterator over 0, 1, ... with ``close()``, like a stateful
+    loader's epoch: it counts what it hands out, and nothing once closed. Item
+    ``stall_at`` blocks until ``release`` is set."""
+
+    def __init__(self, stall_at: int) -> None:
+        self.stall_at = stall_at
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.counted = 0
+        self.closes = 0
+
+    def __iter__(self) -> Iterator[int]:
+        source = self
+
+        class It:
+            closed = False
+            n = 0
+
+            def __iter__(self) -> It:
+                return self
+
+            def __next__(self) -> int:
+                if self.closed:
+                    raise StopIteration
+                i, self.n = self.n, self.n + 1
+                if i == source.stall_at:
+                    source.entered.set()
+                    source.release.wait(10)  # bounded, so the test cannot hang
+                if self.closed:  # it was closed while this batch was being made
+                    raise StopIteration
+                source.counted += 1
+                return i
+
+            def close(self) -> None:
+                self.closed = True
+                source.closes += 1
+
+        return It()
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("prefetch", PREFETCH)
+def test_close_closes_the_source_iterator(prefetch: int) -> None:
+    source = ClosableSource(stall_at=-1)
+    with Fetcher(source, prefetch_batches=prefetch) as fetcher:
+        assert next(iter(fetcher)) == 0
+    assert source.closes >= 1
+
+
+@pytest.mark.timeout(20)
+def test_a_stuck_producer_returning_after_close_is_not_counted() -> None:
+    source = ClosableSource(stall_at=2)
+    fetcher = Fetcher(source, prefetch_batches=1, close_timeout_s=0.1)
+    it = iter(fetcher)
+    assert next(it) == 0
+    assert source.entered.wait(10)
+    counted = source.counted  # 0 and 1: the thread is inside item 2
+    fetcher.close()
+    assert source.closes >= 1, "the iterator learns at close() that nobody takes more"
+    source.release.set()
+    wait_until(lambda: not fetcher_threads(), what="the fetcher thread to exit")
+    assert source.counted == counted == 2
+
+
 @pytest.mark.timeout(20)
 def test_context_manager_stops_the_thread() -> None:
     with Fetcher(endless(0.0), prefetch_batches=4) as fetcher:
@@ -251,7 +323,7 @@ def test_close_gives_up_on_a_stuck_source_after_its_timeout(
     assert time.monotonic() - start < 2.0
     assert "still inside the source" in caplog.text
     release.set()  # the source returns; the thread sees the stop flag and exits
-    assert wait_until(lambda: not fetcher_threads())
+    wait_until(lambda: not fetcher_threads(), what="the fetcher thread to exit")
     with pytest.raises(StopIteration):
         next(it)
 
@@ -263,7 +335,7 @@ def test_a_dropped_fetcher_stops_its_thread() -> None:
     assert fetcher_threads()
     del fetcher
     gc.collect()
-    assert wait_until(lambda: not fetcher_threads())
+    wait_until(lambda: not fetcher_threads(), what="the fetcher thread to exit")
 
 
 @pytest.mark.timeout(20)
@@ -280,7 +352,7 @@ def test_back_pressure_bounds_the_run_ahead(prefetch: int) -> None:
             def reached(limit: int = limit) -> bool:
                 return source.produced == limit
 
-            assert wait_until(reached)
+            wait_until(reached, what=f"{limit} batches produced")
             time.sleep(0.1)
             assert source.produced == limit
 
@@ -303,7 +375,7 @@ def test_state_is_never_ahead_of_the_consumer(prefetch: int) -> None:
             def ran_ahead(ahead: int = ahead) -> bool:
                 return source.produced >= ahead
 
-            wait_until(ran_ahead)  # let the thread run ahead
+            wait_until(ran_ahead, what="the thread to run ahead")
             assert fetcher.state_dict() == {"produced": k}
         assert source.produced > 7 or prefetch == 0
 

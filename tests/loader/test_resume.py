@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -158,3 +161,120 @@ def test_shuffle_belongs_to_the_streaming_dataset(written):
 
     with pytest.raises(ConfigError, match="StreamingDataset"):
         CacheDataLoader(StreamingDataset(written), shuffle=True)
+
+
+# -- epoch edges -------------------------------------------------------------------
+
+
+def streamed_epochs(dl, epochs=3):
+    return [[k for b in dl for k in keys_of(b)] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("fetcher", [False, True])
+def test_a_state_between_iter_and_the_first_batch_of_a_later_epoch(written, fetcher):
+    ref = streamed_epochs(loader(written, workers=0))
+    dl = loader(written, workers=0)
+    src = Fetcher(dl, prefetch_batches=2) if fetcher else dl
+    with contextlib.ExitStack() as stack:
+        if fetcher:
+            stack.enter_context(src)
+        list(src)  # epoch 0
+        iter(src)  # epoch 1 starts; no batch yet
+        state = pickle.loads(pickle.dumps(src.state_dict()))
+    resumed = loader(written, workers=0)
+    resumed.load_state_dict(state)
+    first = resumed.epoch
+    assert streamed_epochs(resumed, 2) == ref[1:], "epoch 1 from its start, then epoch 2"
+    assert first == 1
+
+
+@pytest.mark.parametrize("writing", [False, True])
+def test_drop_last_state_after_the_last_full_batch_resumes_the_next_epoch(
+    written, tmp_path, writing
+):
+    def make(path):
+        if writing:
+            return CacheDataLoader(
+                DictDataset(N), cache_dir=path, chunk_size=7, batch_size=B, drop_last=True
+            )
+        return CacheDataLoader(str(written), batch_size=B, drop_last=True)
+
+    ref = streamed_epochs(make(tmp_path / "ref"), 2)
+    assert len(ref[0]) == N // B * B
+    dl = make(tmp_path / "run")
+    epoch0 = list(dl)
+    state = dl.state_dict()
+    resumed = make(tmp_path / "run")
+    resumed.load_state_dict(state)
+    assert len(epoch0) == N // B and resumed.epoch == 1
+    assert [k for b in resumed for k in keys_of(b)] == ref[1], "epoch 1, not an empty epoch 0"
+
+
+@pytest.mark.parametrize("stop", [0, 4, 9])
+def test_a_writing_state_loads_after_the_merge(tmp_path, stop):
+    def make(path, workers=2):
+        return CacheDataLoader(
+            DictDataset(29), cache_dir=path, chunk_size=4, batch_size=3, num_workers=workers,
+            shuffle=True, seed=1,
+        )  # fmt: skip
+
+    ref = streamed_epochs(make(tmp_path / "ref"), 2)
+    dl = make(tmp_path / "run")
+    it = iter(dl)
+    before = [k for _, b in zip(range(stop), it, strict=False) for k in keys_of(b)]
+    state = pickle.loads(pickle.dumps(dl.state_dict()))
+    assert state["writing"]
+    rest = [k for b in it for k in keys_of(b)]  # the epoch ends: the cache is merged
+    assert before + rest == ref[0] and (tmp_path / "run" / "index.json").exists()
+    resumed = make(tmp_path / "run", workers=1)  # the cache is read: any worker count
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 0 and len(resumed) == 10 - stop
+    assert [k for b in resumed for k in keys_of(b)] == rest, "the rest of epoch 0, in order"
+    epoch1 = [k for b in resumed for k in keys_of(b)]  # streamed, split for one worker
+    assert sorted(epoch1) == list(range(29)) and epoch1 != ref[0]
+
+
+def test_a_writing_state_after_its_last_batch_resumes_the_next_epoch_unmerged(tmp_path):
+    def make(path):
+        return CacheDataLoader(
+            DictDataset(29), cache_dir=path, chunk_size=4, batch_size=3, shuffle=True, seed=1
+        )
+
+    ref = streamed_epochs(make(tmp_path / "ref"), 2)
+    dl = make(tmp_path / "run")
+    it = iter(dl)
+    assert len([next(it) for _ in range(10)]) == 10  # every batch, the merge not yet run
+    state = dl.state_dict()
+    it.close()  # the process stops before the merge
+    assert not (tmp_path / "run" / "index.json").exists()
+    resumed = make(tmp_path / "run")
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    assert [k for b in resumed for k in keys_of(b)] == ref[1], "written, then epoch 1"
+    assert (tmp_path / "run" / "index.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_fetcher_thread_that_outlives_close_never_advances_the_loader(written):
+    entered, release = threading.Event(), threading.Event()
+
+    def stall(item):
+        if item["i"] == 2 * B:  # the first item of batch 2
+            entered.set()
+            release.wait(30)  # bounded, so the test cannot hang
+        return item
+
+    dl = CacheDataLoader(StreamingDataset(written, transform=stall), batch_size=B)
+    fetcher = Fetcher(dl, prefetch_batches=1, close_timeout_s=0.1)
+    it = iter(fetcher)
+    assert keys_of(next(it)) == list(range(B))
+    assert entered.wait(30), "the producer reached batch 2"
+    counted = dl.state_dict()
+    fetcher.close()  # gives up: the producer is stuck inside the loader
+    release.set()  # now the loader hands batch 2 to a closed fetcher
+    deadline = time.monotonic() + 30
+    while any(t.name == "asynccache-fetcher" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the producer thread never left the loader"
+        time.sleep(0.01)
+    assert dl.state_dict() == counted, "a batch produced after close() was counted"
+    assert counted["stream"]["received"] == 2 * B  # what the thread took before close
