@@ -141,7 +141,10 @@ class CacheDataLoader:
     :meth:`state_dict` records what the consumer received, in constant size;
     :meth:`load_state_dict` in a new process continues exactly after it, also with
     another ``num_workers`` or world size (for a streamed epoch; the writing epoch
-    resumes with the same world size and workers, re-reading what it skips).
+    resumes with the same world size and workers, re-reading what it skips, or, once
+    its cache has merged, reads the rest of its order from the cache). A state taken
+    before an epoch's first batch is that epoch's start; one taken after its last
+    batch (with ``drop_last``: its last full batch) resumes with the next epoch.
 
     Args:
         dataset: see above.

@@ -210,7 +210,7 @@ BS = st.integers(1, 8)
 
 
 @settings(
-    max_examples=45,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -249,7 +249,18 @@ BS = st.integers(1, 8)
 @example(3, 8, True, 0, 1, True, True, False, 0, 0, True)
 @example(0, 2, False, 0, 1, False, True, True, 1, 0, False)
 def test_resume_anywhere_is_exact(
-    dirs, n, bs, drop_last, workers, world, shuffle, writing, fetcher, stop_epoch, stop_batch, finish
+    dirs,
+    n,
+    bs,
+    drop_last,
+    workers,
+    world,
+    shuffle,
+    writing,
+    fetcher,
+    stop_epoch,
+    stop_batch,
+    finish,
 ):
     check(dirs, n, bs, drop_last, workers, world, shuffle, writing, fetcher, stop_epoch,
           stop_batch, finish)  # fmt: skip
