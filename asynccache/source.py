@@ -246,8 +246,6 @@ class DatasetSource:
         conn = self._live()
         return conn.store if conn is not None else None
 
-    _store = store  # the name older callers used
-
     @property
     def stats(self) -> DownloadStats:
         conn = self._live()

@@ -20,7 +20,6 @@ from .streaming import StreamingDataset
 from .writepass import IterableWritePass, MapWritePass, owned_cache, wait_for_index
 
 _UNSUPPORTED = ("sampler", "batch_sampler")
-MERGE_TIMEOUT_S = 3600.0
 STATE_VERSION = 1
 
 
@@ -217,7 +216,6 @@ class CacheDataLoader:
         self.kwargs = kwargs
         self._epoch = 0  # the epoch the next iter() runs
         self._current = 0  # the epoch running (or last run)
-        self._batches = 0  # the writing epoch's count of re-read batches (see _it for resume)
         self._writing = False
         # The epoch started by the latest iter(); None: none since construction,
         # set_epoch() or load_state_dict(). Its `received` is what state_dict reports.
@@ -334,7 +332,7 @@ class CacheDataLoader:
 
     def _begin(self, epoch: int, map_order: bool, received: int) -> _Epoch:
         self._epoch = epoch + 1
-        self._current, self._batches = epoch, 0
+        self._current = epoch
         self._it = _Epoch(epoch, map_order, received)
         return self._it
 
@@ -462,10 +460,8 @@ class CacheDataLoader:
                 )
                 loader = self._loader(source, batch_size=None, collate_fn=_identity)
             for i, batch in enumerate(loader):
-                if i >= skip:
+                if i >= skip:  # the first `skip` were received before the restart
                     yield batch
-                else:
-                    self._batches += 1  # received before the restart this resumes
             writers = range(world.world_size * nw)
             # Both waits are bounded by the writers' progress, not by a fixed time.
             if world.rank == 0:

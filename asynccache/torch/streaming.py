@@ -338,6 +338,21 @@ class StreamingDataset(IterableDataset[Any]):
         # An epoch whose consumer got everything continues with the next epoch.
         self._progress = pr if rest else _Progress(epoch=pr.epoch + 1)
 
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop this process's mappings, pins, downloads and HTTP session. Idempotent.
+
+        Garbage collection does the same; a closed dataset reconnects if used again.
+        """
+        self._reader.close()
+        self.source.close()
+
+    def __enter__(self) -> StreamingDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return (
             f"StreamingDataset({self.source.url!r}, items={self.num_items}, "

@@ -135,3 +135,20 @@ def test_close_releases_at_once_and_is_idempotent(remote, tmp_path) -> None:
     assert src.acquire(2)  # a closed source reconnects when used again
     src.release(2)
     src.close()
+
+
+def test_streaming_dataset_close_releases_and_reconnects(remote, tmp_path) -> None:
+    url, objstore = remote
+    lt = get_loop_thread()
+    _, closers = _settle()
+    with StreamingDataset(
+        url, cache_dir=tmp_path / "cc", storage_options=objstore.storage_options
+    ) as ds:
+        assert ds[0]["i"] == 0
+        assert lt.closer_count == closers + 1
+        assert ds.source.store is not None and ds.source.store.pinned()
+    assert lt.closer_count == closers
+    assert ds.source.store is None  # pins and connection went with close()
+    assert ds[3]["i"] == 3  # a closed dataset reconnects when used again
+    ds.close()
+    assert lt.closer_count == closers

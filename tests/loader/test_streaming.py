@@ -78,7 +78,7 @@ def test_streaming_stays_within_the_budget(written, objstore, bucket, tmp_path):
     seen = []
     for item in ds:
         seen.append(item["i"])
-        pinned = sum(1 for _ in ds.source._store.pinned()) if ds.source._store else 0
+        pinned = sum(1 for _ in ds.source.store.pinned()) if ds.source.store else 0
         peak = max(peak, chunk_bytes(tmp_path / "c") - pinned * size)
     assert sorted(seen) == list(range(N))
     # While running, a prefetch may be published between the two reads above: one chunk.
