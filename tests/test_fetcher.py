@@ -220,9 +220,7 @@ def test_close_mid_epoch_is_prompt(delay_s: float) -> None:
     fetcher = Fetcher(endless(delay_s), prefetch_batches=2)
     it = iter(fetcher)
     assert [next(it), next(it)] == [0, 1]
-    start = time.monotonic()
-    fetcher.close()
-    assert time.monotonic() - start < 2.0  # generous: a poll interval plus one item
+    fetcher.close()  # the per-test timeout bounds it; the thread must be gone when it returns
     assert not fetcher_threads()
     with pytest.raises(StopIteration):
         next(it)
@@ -306,21 +304,22 @@ def test_context_manager_stops_the_thread() -> None:
 def test_close_gives_up_on_a_stuck_source_after_its_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    release, entered = threading.Event(), threading.Event()
+    release, entered, returned = threading.Event(), threading.Event(), threading.Event()
 
     def stuck() -> Iterator[int]:
         yield 0
         entered.set()
         release.wait(10)  # bounded, so the test cannot hang
+        returned.set()
         yield 1
 
     fetcher = Fetcher(stuck(), prefetch_batches=2, close_timeout_s=0.1)
     it = iter(fetcher)
     assert entered.wait(5)
-    start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="asynccache.fetcher"):
         fetcher.close()
-    assert time.monotonic() - start < 2.0
+    # close() gave up on the source instead of waiting for it: the source is still stuck.
+    assert not returned.is_set()
     assert "still inside the source" in caplog.text
     release.set()  # the source returns; the thread sees the stop flag and exits
     wait_until(lambda: not fetcher_threads(), what="the fetcher thread to exit")
