@@ -65,6 +65,13 @@ class _Slot:
         if conn is not None:
             conn.close()
 
+    def close_from_finalizer(self) -> None:
+        """Hand the close to the I/O thread: a collection may run while this thread
+        holds one of the locks that :meth:`Connection.close` takes."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.loop_thread.post(conn.close)
+
 
 class DatasetSource:
     """Index and chunk paths of one dataset. Thread-safe; see the module docstring.
@@ -282,7 +289,7 @@ def _finalizer(source: DatasetSource, slot: _Slot) -> weakref.finalize:
     and waits for them, while a finalizer could only schedule a close the loop might
     cancel halfway (an "Unclosed client session" warning).
     """
-    fin = weakref.finalize(source, slot.close)
+    fin = weakref.finalize(source, slot.close_from_finalizer)
     fin.atexit = False
     return fin
 

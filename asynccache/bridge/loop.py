@@ -178,13 +178,22 @@ class LoopThread:
         or was never started (nothing of it can be open then). :meth:`close` waits for
         closes still running.
         """
+        self.post(self._start_close, closer)
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop soon; takes no lock, never blocks, never raises.
+
+        For garbage-collection finalizers: a collection can run on a thread that holds
+        any lock of ours at that moment, so a finalizer must not take one itself; it
+        posts its work here instead. A no-op in a forked child and when no loop runs.
+        """
         if os.getpid() != self._pid:
             return
         loop = self._loop
         if loop is None or self._closed:
             return
         with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
-            loop.call_soon_threadsafe(self._start_close, closer)
+            loop.call_soon_threadsafe(fn, *args)
 
     def _start_close(self, closer: Closer) -> None:
         fut = asyncio.ensure_future(_guarded(closer))

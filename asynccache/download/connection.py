@@ -36,7 +36,8 @@ class Connection:
           after a close or a fork).
         * :meth:`close` is idempotent and never blocks: downloads are cancelled, then the
           session closed, on the I/O thread (``close_soon``); pins are released at once.
-          It may run in a garbage-collection finalizer, on any thread.
+          A garbage-collection finalizer does not call it: it posts it to the I/O thread
+          (:meth:`LoopThread.post`), since a collection may run while a lock it takes is held.
     """
 
     def __init__(self, storage: Storage, loop_thread: LoopThread) -> None:
@@ -49,6 +50,10 @@ class Connection:
         self._mu = threading.Lock()
         self._closed = False
         self._unregister: Callable[[], None] = loop_thread.register_closer(self._aclose)
+
+    @property
+    def loop_thread(self) -> LoopThread:
+        return self._lt
 
     @property
     def closed(self) -> bool:
