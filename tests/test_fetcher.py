@@ -241,6 +241,7 @@ class ClosableSource:
         source = self
 
         class It:
+            close_is_thread_safe = True  # a flag write, like CacheDataLoader's epochs
             closed = False
             n = 0
 
@@ -662,3 +663,33 @@ def test_cuda_end_to_end() -> None:
         total += float((batch.x * 2).mean())
     torch.cuda.synchronize()
     assert total == 2 * sum(range(8))
+
+
+@pytest.mark.timeout(20)
+def test_close_never_touches_a_generator_the_producer_is_inside() -> None:
+    # Closing a running generator from another thread can corrupt it in CPython: close()
+    # must leave it to the producer thread (or the collector) while the thread is inside.
+    release, entered = threading.Event(), threading.Event()
+    closed_inside: list[bool] = []
+
+    def stuck() -> Iterator[int]:
+        try:
+            yield 0
+            entered.set()
+            release.wait(10)  # bounded, so the test cannot hang
+            yield 1
+        except GeneratorExit:
+            closed_inside.append(True)
+            raise
+
+    gen = stuck()
+    fetcher = Fetcher(gen, prefetch_batches=2, close_timeout_s=0.1)
+    it = iter(fetcher)
+    assert entered.wait(5)
+    fetcher.close()
+    assert gen.gi_running  # still inside, untouched
+    release.set()
+    wait_until(lambda: not fetcher_threads(), what="the fetcher thread to exit")
+    assert not closed_inside  # nobody threw GeneratorExit into the running frame
+    with pytest.raises(StopIteration):
+        next(it)

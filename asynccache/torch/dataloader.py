@@ -61,10 +61,14 @@ class _Epoch:
       its rest read back from the filled cache); else in the streamed order.
     """
 
+    close_is_thread_safe = True  # the Fetcher may close it while its thread is inside
+
     def __init__(self, epoch: int, map_order: bool, received: int) -> None:
         self.epoch, self.map_order, self.received = epoch, map_order, received
         self._inner: Iterator[Any] = iter(())
-        self._lock = threading.Lock()
+        # Reentrant: a Fetcher collected by the garbage collector closes its epoch from
+        # whatever thread the collection runs on, possibly one inside __next__ here.
+        self._lock = threading.RLock()
         self._closed = False
         self._running = False  # a thread is inside next(self._inner)
 

@@ -88,17 +88,21 @@ def _produce_one(
         return _Failed(exc)
 
 
-def _close_iterator(iterator: Iterator[Any]) -> None:
+def _close_iterator(iterator: Iterator[Any], *, producer_alive: bool) -> None:
     """Tells the source's iterator that nobody takes its batches any more.
 
     A stateful source (``CacheDataLoader``) stops counting there, so a batch that a
     producer thread stuck in the source returns after ``close()`` never advances the
-    source's state. A generator still running in the producer thread can't be closed
-    from another thread (``ValueError``); the feed closes it again once the thread has
-    left it, or the generator is closed when it is collected.
+    source's state. While the producer thread may still be inside the iterator, only an
+    iterator that declares ``close_is_thread_safe`` is closed: closing a generator that
+    another thread is running is not safe in CPython (it can corrupt the generator's
+    state, not just raise ``ValueError``). Any other iterator is closed once the thread
+    has left it, or when it is collected.
     """
     close = getattr(iterator, "close", None)
     if not callable(close):
+        return
+    if producer_alive and not getattr(iterator, "close_is_thread_safe", False):
         return
     try:
         close()
@@ -208,10 +212,11 @@ class _ThreadFeed:
 
     def close(self, timeout_s: float) -> None:
         self._channel.close()
-        _close_iterator(self._iterator)  # before the join: a stuck producer commits nothing
+        # Before the join: a stuck producer commits nothing (thread-safe closes only).
+        _close_iterator(self._iterator, producer_alive=True)
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
-            _close_iterator(self._iterator)  # a generator the thread was inside is free now
+            _close_iterator(self._iterator, producer_alive=False)  # the thread left it
         else:
             _log.warning(
                 "the fetcher's producer is still inside the source after %.1f s; "
@@ -243,7 +248,7 @@ class _SyncFeed:
 
     def close(self, timeout_s: float) -> None:
         if self._iterator is not None:
-            _close_iterator(self._iterator)
+            _close_iterator(self._iterator, producer_alive=False)
         self._iterator = None
         self._head = None
 
