@@ -17,7 +17,14 @@ from . import distributed
 from .cache import Cache
 from .map_order import EpochSampler, epoch_order, map_batch_count, map_batches, rank_share
 from .streaming import StreamingDataset
-from .writepass import IterableWritePass, MapWritePass, owned_cache, wait_for_index
+from .writepass import (
+    IterableWritePass,
+    MapWritePass,
+    check_claim,
+    claim_directory,
+    owned_cache,
+    wait_for_index,
+)
 
 _UNSUPPORTED = ("sampler", "batch_sampler")
 STATE_VERSION = 1
@@ -412,9 +419,6 @@ class CacheDataLoader:
         )
 
     def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
-        # Local import: these helpers belong to the writing epoch alone.
-        from .writepass import check_claim, claim_directory
-
         assert self.cache is not None
         world = distributed.current()
         token = None
