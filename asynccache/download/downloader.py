@@ -20,7 +20,12 @@ from ..cache.layout import TempFile
 from ..cache.locks import in_thread
 from ..cache.store import ChunkStore
 from ..config import Settings
-from ..errors import ChecksumMismatchError, ObjectNotFoundError, StorageTimeoutError
+from ..errors import (
+    ChecksumMismatchError,
+    DiskFullError,
+    ObjectNotFoundError,
+    StorageTimeoutError,
+)
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate
@@ -264,8 +269,6 @@ class Downloader:
 
     async def _fetch(self, spec: ChunkSpec) -> str:
         """Download one chunk under its cross-process lock; the path once published."""
-        from ..errors import DiskFullError  # local: the disk-full retry is self-contained
-
         self.stats.started()
         clock = self._clocks.get(spec.name) or ProgressClock(self._all)
         try:
