@@ -195,7 +195,7 @@ def test_source_error_reaches_consumer_with_its_traceback(prefetch: int) -> None
 @pytest.mark.timeout(20)
 def test_a_failing_device_copy_reaches_the_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
     class BrokenOps(FakeOps):
-        def copy(self, tensor: torch.Tensor, **flags: bool) -> torch.Tensor:
+        def copy(self, tensor: torch.Tensor, device: Any, **flags: bool) -> torch.Tensor:
             raise RuntimeError("copy failed")
 
     monkeypatch.setattr(
@@ -536,19 +536,27 @@ def test_map_tensors_keeps_the_structure() -> None:
 
 
 class FakeOps:
-    """Stream primitives that log what a CUDA run would do, in order."""
+    """Stream primitives that log what a CUDA run would do, in order.
+
+    ``pinned`` holds the ids of host tensors that count as page-locked; ``pin`` adds
+    the copy it returns.
+    """
 
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
-        self.current = "default"
         self.lock = threading.Lock()
         self.streams = 0
+        self.pinned: set[int] = set()
+        self.devices_set: list[tuple[str, Any]] = []  # (thread name, device)
 
     def _note(self, *entry: Any) -> None:
         with self.lock:
             self.log.append(entry)
 
-    def new_stream(self) -> str:
+    def set_device(self, device: torch.device) -> None:
+        self.devices_set.append((threading.current_thread().name, device))
+
+    def new_stream(self, device: torch.device) -> str:
         self.streams += 1
         return f"side{self.streams}"
 
@@ -558,11 +566,20 @@ class FakeOps:
         yield
         self._note("exit", stream)
 
-    def current_stream(self) -> str:
+    def current_stream(self, device: torch.device) -> str:
         return "consumer"
 
-    def copy(self, tensor: torch.Tensor, *, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
-        self._note("copy", tensor.tolist(), pin_memory, non_blocking)
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.pinned
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.clone()
+        self.pinned.add(id(pinned))
+        self._note("pin", tensor.tolist(), tensor.is_contiguous())
+        return pinned
+
+    def copy(self, tensor: torch.Tensor, device: torch.device, *, non_blocking: bool) -> Any:
+        self._note("copy", tensor.tolist(), self.is_pinned(tensor), non_blocking, str(device))
         return tensor.clone()
 
     def record_event(self, stream: str) -> tuple[str, int]:
@@ -572,6 +589,9 @@ class FakeOps:
 
     def wait_event(self, stream: str, event: Any) -> None:
         self._note("wait", stream, event)
+
+    def synchronize_event(self, event: Any) -> None:
+        self._note("synchronize", event)
 
     def record_stream(self, tensor: torch.Tensor, stream: str) -> None:
         self._note("record_stream", tensor.tolist(), stream)
@@ -584,16 +604,18 @@ def test_transfer_orders_copies_event_and_wait() -> None:
     inflight = transfer.send(batch)
     assert ops.log == [
         ("enter", "side1"),
-        ("copy", [1.0], True, True),
-        ("copy", [2.0], True, True),
-        ("record", "side1", ("event", 3)),
+        ("pin", [1.0], True),
+        ("copy", [1.0], True, True, "cuda:0"),
+        ("pin", [2.0], True),
+        ("copy", [2.0], True, True, "cuda:0"),
+        ("record", "side1", ("event", 5)),
         ("exit", "side1"),
     ]
-    assert inflight.event == ("event", 3)
+    assert inflight.event == ("event", 5)
     ops.log.clear()
     received = transfer.receive(inflight)
     assert ops.log == [
-        ("wait", "consumer", ("event", 3)),
+        ("wait", "consumer", ("event", 5)),
         ("record_stream", [1.0], "consumer"),
         ("record_stream", [2.0], "consumer"),
     ]
@@ -605,13 +627,15 @@ def test_transfer_orders_copies_event_and_wait() -> None:
 def test_transfer_flags_and_no_op_paths() -> None:
     ops = FakeOps()
     DeviceTransfer("cuda:0", pin_memory=False, non_blocking=False, ops=ops).send(torch.ones(1))
-    assert ("copy", [1.0], False, False) in ops.log
+    assert ("copy", [1.0], False, False, "cuda:0") in ops.log
     cpu = DeviceTransfer("cpu")
     assert cpu.is_noop
     batch = [torch.ones(1)]
     assert cpu.receive(cpu.send(batch)) is batch
-    meta = DeviceTransfer("meta")  # an accelerator without streams: a plain copy
-    assert meta.receive(meta.send(batch))[0].device.type == "meta"
+    meta = DeviceTransfer("meta")  # not CUDA: a plain copy, in receive()
+    inflight = meta.send(batch)
+    assert inflight.batch is batch and inflight.pending
+    assert meta.receive(inflight)[0].device.type == "meta"
     assert DeviceTransfer(None).receive(InFlight(batch)) is batch
 
 
@@ -624,9 +648,9 @@ def test_fetcher_copies_in_the_producer_and_waits_in_the_consumer(
     copy_threads: set[str] = set()
     original_copy = ops.copy
 
-    def copy(tensor: torch.Tensor, **flags: bool) -> torch.Tensor:
+    def copy(tensor: torch.Tensor, device: Any, **flags: bool) -> torch.Tensor:
         copy_threads.add(threading.current_thread().name)
-        return original_copy(tensor, **flags)
+        return original_copy(tensor, device, **flags)
 
     ops.copy = copy  # type: ignore[method-assign]
     monkeypatch.setattr(

@@ -174,7 +174,19 @@ def _run_producer(
     transfer: DeviceTransfer,
     snapshot: _Snapshot | None,
 ) -> None:
-    """The producer thread's body. It holds no reference to the Fetcher itself."""
+    """The producer thread's body. It holds no reference to the Fetcher itself.
+
+    Like ``DataLoader``'s pin-memory thread, it first limits its own intra-op
+    parallelism to one thread (``torch.set_num_threads`` is per thread with the
+    OpenMP backend: the caller's setting is untouched) and, for CUDA, makes the
+    target its current device.
+    """
+    try:
+        torch.set_num_threads(1)
+        transfer.enter_thread()
+    except BaseException as exc:
+        channel.finish(_Failed(exc))
+        return
     while not channel.closed:
         head = _produce_one(iterator, transfer, snapshot)
         if not isinstance(head, _Item):
@@ -346,6 +358,7 @@ class Fetcher(Generic[T]):
         self._source = iterable
         self.prefetch_batches = prefetch_batches
         self._transfer = make_transfer(device, pin_memory=pin_memory, non_blocking=non_blocking)
+        self._epoch_transfer = self._transfer  # bound to a device index by each iter()
         self._transform = transform
         self._yield_iterator = yield_iterator
         self._log_every = log_every
@@ -391,7 +404,7 @@ class Fetcher(Generic[T]):
         waited = time.perf_counter() - start
         if self.done:
             self._stop_epoch()  # the thread has finished; join it now
-        batch = self._transfer.receive(head.inflight)
+        batch = self._epoch_transfer.receive(head.inflight)
         self._state = head.state
         self.fetched += 1
         self._record_wait(waited)
@@ -418,14 +431,16 @@ class Fetcher(Generic[T]):
         self.done = False
         self.fetched = 0
         self._reset_stats()
+        # "cuda" without an index means the caller's current device now, not at construction.
+        transfer = self._epoch_transfer = self._transfer.bind()
         iterator = iter(self._source)
         self._state = self._snapshot() if self._snapshot is not None else None
         self._has_state = True
         feed: _ThreadFeed | _SyncFeed
         if self.prefetch_batches == 0:
-            feed = _SyncFeed(iterator, self._transfer, self._snapshot)
+            feed = _SyncFeed(iterator, transfer, self._snapshot)
         else:
-            feed = _ThreadFeed(iterator, self._transfer, self._snapshot, self.prefetch_batches)
+            feed = _ThreadFeed(iterator, transfer, self._snapshot, self.prefetch_batches)
         self._feed = feed
         # Stops the thread if the fetcher is dropped mid-epoch, or at interpreter exit.
         self._finalizer = weakref.finalize(self, feed.close, self._close_timeout_s)
@@ -518,7 +533,7 @@ class Fetcher(Generic[T]):
         )
 
     def __repr__(self) -> str:
-        device = self._transfer.device
+        device = self._epoch_transfer.device
         return (
             f"Fetcher({type(self._source).__name__}, prefetch_batches={self.prefetch_batches}, "
             f"device={device}, fetched={self.fetched}, done={self.done}, "
