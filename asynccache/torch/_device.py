@@ -383,11 +383,16 @@ class DeviceTransfer:
                 ops.record_stream(tensor, consumer)
         if inflight.pending and device is not None:
             nb = self.non_blocking and self.is_cuda
-            batch = map_tensors(
-                lambda t: t.to(device, non_blocking=nb),
-                batch,
-                move_object=lambda obj: _move_object(obj, device, nb),
-            )
+            if self.is_cuda:  # the tensors were copied by send(); only objects are left
+
+                def move(tensor: torch.Tensor) -> torch.Tensor:
+                    return tensor
+            else:
+
+                def move(tensor: torch.Tensor) -> torch.Tensor:
+                    return tensor.to(device)
+
+            batch = map_tensors(move, batch, move_object=lambda obj: _move_object(obj, device, nb))
         return batch
 
 
