@@ -320,9 +320,13 @@ class Fetcher(Generic[T]):
         iterable: The source of batches. If it has ``state_dict``/``load_state_dict``
             (a stateful data loader), the fetcher forwards them.
         prefetch_batches: How many batches to hold ready ahead of the consumer.
-        device: Copy each batch to this device in the background. ``None`` or a
-            CPU device leaves batches untouched.
+        device: Copy each batch to this device. ``None`` or a CPU device leaves
+            batches untouched. ``"cuda"`` means the current CUDA device when an epoch
+            starts (``iter()``). CUDA copies run on the background thread; other
+            accelerators are copied on the consumer thread. See ``docs/fetcher.md``
+            for the contract with a source that hands out pinned memory.
         pin_memory: Pin host tensors before a CUDA copy; ``None`` means yes for CUDA.
+            Ignored, with a warning, for other devices.
         non_blocking: Copy to CUDA asynchronously, on a side stream.
         transform: Applied to each batch on the consumer thread, after the device
             copy, just before it is returned.
