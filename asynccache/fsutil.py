@@ -1,4 +1,4 @@
-"""Small file-system helpers shared by the writer and the cache: atomic publish."""
+"""Small file-system helpers shared by the writer and the cache: atomic publish, durable names."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def temp_name(path: str) -> str:
     """A unique hidden temp path beside ``path``: ``.<name>.<pid>.<random>.tmp``."""
     head, tail = os.path.split(path)
     return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the names renamed into ``directory`` durable (a power loss keeps them)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str, pieces: Iterable[bytes | memoryview], *, fsync: bool = False) -> int:

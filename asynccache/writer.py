@@ -28,7 +28,7 @@ from .errors import BadIndexError, CacheError, ConfigError, WriteConflictError
 from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
 from .format.index import format_checksum, new_hasher
 from .format.items import compressor
-from .fsutil import atomic_write
+from .fsutil import atomic_write, fsync_dir
 from .writelock import is_held, read_holder
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -135,15 +135,6 @@ class ChunkWriter:
             fsync=True,
         )
         return idx
-
-
-def fsync_dir(directory: str) -> None:
-    """Make the names of files renamed into ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def progress_marker(directory: str) -> frozenset[tuple[str, int]]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .. import forksafe
 from ..errors import CacheError, DiskFullError
+from ..fsutil import fsync_dir
 from .locks import try_lock
 
 __all__ = [
@@ -113,15 +114,6 @@ def cache_error(exc: OSError, directory: str | os.PathLike[str]) -> CacheError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(f"no space left on the device holding the cache dir {directory}")
     return CacheError(f"cache dir {directory}: {exc.strerror or exc}")
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TempFile:
