@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from .base import Storage
 from .http import HttpStorage
 from .local import LocalStorage
-from .transport import verify_tls
+from .transport import header_option, verify_tls
 
 __all__ = ["S3_OPTION_KEYS", "open_storage"]
 
@@ -37,7 +37,7 @@ S3_OPTION_KEYS = frozenset(
         "part_size",
     }
 )
-_HTTP_OPTION_KEYS = frozenset({"verify"})
+_HTTP_OPTION_KEYS = frozenset({"verify", "headers"})
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 
 
@@ -74,7 +74,12 @@ def open_storage(
             raise ConfigError(
                 f"malformed URL {_redact(url)!r}: credentials in URLs are not supported"
             )
-        return HttpStorage(url.rstrip("/"), settings, verify=verify_tls(settings, options))
+        return HttpStorage(
+            url.rstrip("/"),
+            settings,
+            verify=verify_tls(settings, options),
+            headers=header_option(options, url),
+        )
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parts.netloc, parts.path, settings, options, aws_env or {})
     raise ConfigError(

@@ -2,11 +2,15 @@
 
 Objects are fetched with GET (``Range`` for parts) and sized with HEAD. HTTP has no
 listing, upload or delete; those raise :class:`StorageError` naming the URL.
+
+``headers`` (``storage_options={"headers": {...}}``: bearer tokens, cookies) are sent
+to the dataset's origin only, never to a host a redirect leads to, and never appear in
+a message, a log line or ``repr`` (only their names do).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import quote
 
 from ..config import Settings
@@ -16,8 +20,8 @@ from .errmap import map_client_errors, status_error
 from .transport import (
     SessionHolder,
     check_range,
-    encoded_url,
     range_header,
+    send_following,
     stream_response,
 )
 
@@ -31,14 +35,25 @@ class HttpStorage(Storage):
         url: root URL (``http://`` or ``https://``), without credentials.
         settings: timeouts, connection limit and the TLS default.
         verify: verify the server's TLS certificate (default on).
+        headers: extra request headers for the dataset's origin (may hold secrets).
     """
 
-    def __init__(self, url: str, settings: Settings, *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        settings: Settings,
+        *,
+        verify: bool = True,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.url = url
         self._sessions = SessionHolder(settings, verify=verify)
+        self._headers = dict(headers or {})
+        self._source = f"storage_options headers {sorted(self._headers)}" if self._headers else None
 
     def __repr__(self) -> str:
-        return f"HttpStorage({self.url!r}, verify={self._sessions.verify})"
+        names = f", headers={sorted(self._headers)}" if self._headers else ""
+        return f"HttpStorage({self.url!r}, verify={self._sessions.verify}{names})"
 
     @property
     def verify(self) -> bool:
@@ -52,9 +67,18 @@ class HttpStorage(Storage):
         url = self.object_url(key)
         async with map_client_errors(url, "HEAD"):
             session = self._sessions.get()
-            async with session.head(encoded_url(self._href(key)), allow_redirects=True) as resp:
+            resp = await send_following(
+                session, "HEAD", self._href(key), headers={}, private=self._headers, what=url
+            )
+            async with resp:
                 if resp.status != 200:
-                    raise status_error(resp.status, url, headers=resp.headers, method="HEAD")
+                    raise status_error(
+                        resp.status,
+                        url,
+                        headers=resp.headers,
+                        method="HEAD",
+                        credential_source=self._source,
+                    )
                 size = resp.content_length
                 etag = resp.headers.get("ETag")
         if size is None:
@@ -72,8 +96,10 @@ class HttpStorage(Storage):
             headers["Range"] = rng
         async with map_client_errors(url):
             session = self._sessions.get()
-            resp = await session.get(encoded_url(self._href(key)), headers=headers)
-        async for piece in stream_response(resp, url, start, end):
+            resp = await send_following(
+                session, "GET", self._href(key), headers=headers, private=self._headers, what=url
+            )
+        async for piece in stream_response(resp, url, start, end, credential_source=self._source):
             yield piece
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:

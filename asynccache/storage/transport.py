@@ -11,20 +11,23 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from yarl import URL
 
 from ..config import Settings
-from ..errors import BridgeError, ConfigError, TransientError
+from ..errors import BridgeError, ConfigError, StorageError, TransientError
 from .errmap import map_client_errors, status_error
 
 __all__ = [
     "SessionHolder",
     "check_range",
     "encoded_url",
+    "header_option",
     "past_end",
     "range_header",
+    "send_following",
     "stream_body",
     "verify_tls",
 ]
@@ -44,6 +47,73 @@ def verify_tls(settings: Settings, options: Mapping[str, object]) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"storage option 'verify' must be a bool, got {value!r}")
     return value
+
+
+def header_option(options: Mapping[str, object], url: str) -> dict[str, str]:
+    """``storage_options['headers']`` checked to be a str -> str mapping.
+
+    Values may be secrets (bearer tokens, cookies): messages name header *names* only.
+    """
+    value = options.get("headers") or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"storage option 'headers' for {url} must be a dict of str to str")
+    out: dict[str, str] = {}
+    for name, val in value.items():
+        if not isinstance(name, str) or not isinstance(val, str) or not name.strip():
+            raise ConfigError(
+                f"storage option 'headers' for {url}: header {name!r} must map a name "
+                "to a str value"
+            )
+        if "\r" in val or "\n" in val or "\r" in name or "\n" in name:
+            raise ConfigError(f"storage option 'headers' for {url}: header {name!r} has a newline")
+        out[name] = val
+    return out
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+async def send_following(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    private: Mapping[str, str],
+    what: str,
+    max_redirects: int = 5,
+) -> aiohttp.ClientResponse:
+    """Send ``method url`` and follow redirects by hand; return the final response.
+
+    ``private`` headers (credentials, cookies) go to ``url``'s origin only: once a
+    redirect leaves that origin (another host, port or scheme) they are never sent
+    again, so a token for the service never reaches a CDN or a third party. ``url`` and
+    each ``Location`` are sent byte-for-byte (signed CDN URLs stay valid).
+    """
+    home = _origin(url)
+    current = url
+    trusted = True
+    for _ in range(max_redirects + 1):
+        trusted = trusted and _origin(current) == home
+        hdrs = dict(headers)
+        if trusted:
+            hdrs.update(private)
+        resp = await session.request(
+            method, encoded_url(current), headers=hdrs, allow_redirects=False
+        )
+        location = resp.headers.get("Location")
+        if resp.status not in _REDIRECTS or not location:
+            return resp
+        resp.release()
+        current = urljoin(current, location)
+        if urlsplit(current).scheme not in ("http", "https"):
+            raise StorageError(f"{method} {what}: redirected to a non-HTTP URL", url=what)
+    raise StorageError(f"{method} {what}: more than {max_redirects} redirects", url=what)
 
 
 class SessionHolder:
