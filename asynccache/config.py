@@ -128,9 +128,23 @@ class Settings:
 
     @staticmethod
     def aws_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The ``AWS_*`` variables (endpoint, region), read here so backends never touch env."""
+        """The storage variables, read here so backends never touch env.
+
+        ``AWS_*`` (S3 endpoint, region, profile) and the other backends' own:
+        ``STORAGE_EMULATOR_HOST`` (GCS), ``AZURE_STORAGE_*`` (Azure: connection string,
+        account, key, SAS token, as the Azure CLI names them), ``HF_TOKEN`` and
+        ``HF_ENDPOINT`` (Hugging Face Hub).
+        """
         env = os.environ if environ is None else environ
-        return {k: v for k, v in env.items() if k.startswith("AWS_")}
+        return {
+            k: v
+            for k, v in env.items()
+            if k.startswith(_STORAGE_ENV_PREFIXES) or k in _STORAGE_ENV_NAMES
+        }
+
+
+_STORAGE_ENV_PREFIXES = ("AWS_", "AZURE_STORAGE_")
+_STORAGE_ENV_NAMES = frozenset({"STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_ENDPOINT"})
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:

@@ -1,8 +1,10 @@
 """``open_storage``: the one place that turns a URL into a backend.
 
-URL forms: a path or ``file://``; ``http(s)://``; ``s3://bucket[/prefix]``. Everything
-the backends need from the environment arrives as arguments (``settings``, ``aws_env``),
-so this module never reads ``os.environ`` itself.
+URL forms: a path or ``file://``; ``http(s)://``; ``s3://bucket[/prefix]``;
+``gs://bucket[/prefix]``; ``az://container[/prefix]`` (and ``abfs://``);
+``hf://datasets/org/name[@revision][/path]``. Everything the backends need from the
+environment arrives as arguments (``settings``, ``aws_env``: the storage variables from
+``Settings.aws_env()``), so this module never reads ``os.environ`` itself.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .http import HttpStorage
 from .local import LocalStorage
 from .transport import header_option, verify_tls
 
-__all__ = ["S3_OPTION_KEYS", "open_storage"]
+__all__ = ["GCS_OPTION_KEYS", "S3_OPTION_KEYS", "open_storage"]
 
 #: storage_options keys understood by the S3 backend.
 S3_OPTION_KEYS = frozenset(
@@ -38,6 +40,9 @@ S3_OPTION_KEYS = frozenset(
     }
 )
 _HTTP_OPTION_KEYS = frozenset({"verify", "headers"})
+#: storage_options keys understood by the GCS backend.
+GCS_OPTION_KEYS = frozenset({"endpoint_url", "token", "key_file", "anon", "verify"})
+_GCS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 
 
@@ -82,9 +87,11 @@ def open_storage(
         )
     if scheme in ("s3", "s3a"):
         return _open_s3(url, parts.netloc, parts.path, settings, options, aws_env or {})
+    if scheme in ("gs", "gcs"):
+        return _open_gcs(url, parts.netloc, parts.path, settings, options, aws_env or {})
     raise ConfigError(
         f"unsupported storage URL {_redact(url)!r}: scheme {scheme!r} is not "
-        "one of file, http, https, s3"
+        "one of file, http, https, s3, gs"
     )
 
 
@@ -153,6 +160,54 @@ def _open_s3(
         multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
         part_size=_size_option(options, "part_size", 16 << 20, url),
     )
+
+
+def _open_gcs(
+    url: str,
+    bucket: str,
+    path: str,
+    settings: Settings,
+    options: Mapping[str, Any],
+    env: Mapping[str, str],
+) -> Storage:
+    _check_options(options, GCS_OPTION_KEYS, url)
+    try:  # google-auth (credentials chain) comes with the optional "gcs" extra
+        import google.auth  # noqa: F401
+
+        from .gcs import GCS_ENDPOINT, GcsStorage
+        from .gcs_auth import GcsAuth
+    except ImportError as exc:
+        raise ConfigError(
+            f"{url}: gs:// needs google-auth; install it with pip install 'asynccache[gcs]'"
+        ) from exc
+    if not bucket or "@" in bucket or ":" in bucket or not _GCS_BUCKET_RE.match(bucket):
+        raise ConfigError(f"malformed GCS URL {url!r}: expected gs://bucket[/prefix]")
+    prefix = _prefix(url, path)
+    endpoint = options.get("endpoint_url") or env.get("STORAGE_EMULATOR_HOST")
+    if endpoint:
+        text = str(endpoint)
+        if "://" not in text:  # Google's clients accept host:port
+            text = "http://" + text
+        ep = urlsplit(text)
+        if ep.scheme not in ("http", "https") or not ep.hostname:
+            raise ConfigError(f"GCS endpoint {endpoint!r} for {url} must be http(s)://host[:port]")
+        endpoint = f"{ep.scheme}://{ep.netloc}"
+    return GcsStorage(
+        f"gs://{bucket}" + (f"/{prefix}" if prefix else ""),
+        bucket=bucket,
+        prefix=prefix,
+        endpoint=str(endpoint or GCS_ENDPOINT),
+        auth=GcsAuth(options, emulator=bool(endpoint)),
+        settings=settings,
+        verify=verify_tls(settings, options),
+    )
+
+
+def _prefix(url: str, path: str) -> str:
+    prefix = unquote(path).strip("/")
+    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+        raise ConfigError(f"malformed URL {url!r}: empty or relative path segment")
+    return prefix
 
 
 def _size_option(options: Mapping[str, Any], name: str, default: int, url: str) -> int:

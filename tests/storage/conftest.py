@@ -1,0 +1,32 @@
+"""Emulator fixtures for the cloud backends: each server starts once per run, stopped by PID.
+
+* ``gcs_emulator`` (session): fake-gcs-server; ``gcs_bucket`` (function): a fresh bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from asynccache.testing.gcs_emulator import GcsEmulator
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[GcsEmulator]:
+    """One fake-gcs-server for the whole run."""
+    with GcsEmulator() as server:
+        assert isinstance(server, GcsEmulator)
+        yield server
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: GcsEmulator) -> Iterator[str]:
+    """A fresh GCS bucket, deleted (with its objects) after the test."""
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    gcs_emulator.create_bucket(name)
+    yield name
+    with contextlib.suppress(Exception):
+        gcs_emulator.delete_bucket(name)
