@@ -123,6 +123,8 @@ class Settings:
             if name not in fields:
                 raise ConfigError(f"unknown setting {name!r}")
             if value is not None:
+                if "bytes" in name.split("_"):
+                    value = as_size(value, name)
                 values[name] = value
         return cls(**values)
 
@@ -179,6 +181,30 @@ def parse_size(text: str) -> int:
     if suffix not in _SIZE_SUFFIXES or not num:
         raise ValueError(text)
     return int(float(num) * _SIZE_SUFFIXES[suffix])
+
+
+def as_size(value: Any, name: str) -> int:
+    """A size argument as bytes: an int, or a string the environment accepts (``"64MB"``,
+    ``"64MiB"``, ``"8M"``; suffixes are binary, ``MB`` = ``MiB``).
+
+    Raises:
+        ConfigError: ``value`` is neither; the message names the argument ``name``.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            pass
+    raise ConfigError(
+        f"{name} must be a size in bytes: an integer or a string such as '64MB', '64MiB' "
+        f"or '1G', got {value!r}"
+    )
 
 
 def _parse(name: str, typ: Any, raw: str) -> Any:

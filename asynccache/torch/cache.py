@@ -6,7 +6,7 @@ import os
 import secrets
 from typing import Any
 
-from ..config import Settings
+from ..config import Settings, as_size
 from ..errors import AsyncCacheError, ConfigError, ObjectNotFoundError, TruncatedChunkError
 from ..format import INDEX_NAME, Index
 from ..reader import Reader
@@ -65,13 +65,13 @@ class Cache:
         self,
         input_dir: str | os.PathLike[str],
         chunk_size: int | None = None,
-        chunk_bytes: int | None = None,
+        chunk_bytes: int | str | None = None,
         *,
         allow_pickle: bool = False,
         verify: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
-        max_cache_bytes: int | None = None,
+        max_cache_bytes: int | str | None = None,
         compression: str | None = None,
     ) -> None:
         url = os.fspath(input_dir)
@@ -80,10 +80,12 @@ class Cache:
         self.input_dir = url if self.remote else local_dir(url)
         self.cache_dir = cache_dir
         self.storage_options = storage_options
-        self.max_cache_bytes = max_cache_bytes
+        self.max_cache_bytes = (
+            None if max_cache_bytes is None else as_size(max_cache_bytes, "max_cache_bytes")
+        )
         self.compression = compression
         self.chunk_size = chunk_size
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = None if chunk_bytes is None else as_size(chunk_bytes, "chunk_bytes")
         self.allow_pickle = allow_pickle
         self.verify = verify
         self._writer: ChunkWriter | None = None

@@ -27,6 +27,16 @@ from .writepass import (
 )
 
 _UNSUPPORTED = ("sampler", "batch_sampler")
+# torch DataLoader arguments the inner loaders take from this one's attributes.
+_PASSED = (
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "pin_memory_device",
+    "in_order",
+)
 STATE_VERSION = 1
 
 
@@ -126,8 +136,15 @@ class _Epoch:
             close()
 
 
-class CacheDataLoader:
+class CacheDataLoader(DataLoader[Any]):
     """Iterate a dataset in batches; the first epoch also writes it to a chunked cache.
+
+    A ``torch.utils.data.DataLoader`` subclass: it is accepted wherever a DataLoader is
+    (Lightning, ``accelerate``...), and its attributes (``dataset``, ``batch_size``,
+    ``num_workers``, ``persistent_workers``...) are the DataLoader's. It runs its own
+    epoch planning: :meth:`__iter__` starts the next epoch through inner DataLoaders.
+    With ``persistent_workers=True`` the streamed epochs keep the same worker processes;
+    each epoch's plan reaches them through memory the dataset shares with its workers.
 
     Sources:
 
@@ -162,28 +179,30 @@ class CacheDataLoader:
         chunk_bytes / chunk_size: chunk limits for writing (see :class:`Cache`).
         compression: ``"zstd"`` to compress large leaf buffers when writing.
         batch_size, num_workers, shuffle, drop_last, collate_fn: as torch's DataLoader.
-        seed: the shuffle seed.
+        seed: the shuffle seed (default 0). A :class:`StreamingDataset` has its own: pass
+            it there; a different one here raises ``ConfigError``.
         **kwargs: passed to torch's DataLoader (``pin_memory``, ``timeout``,
-            ``multiprocessing_context``, ``worker_init_fn``, ``prefetch_factor``...).
+            ``multiprocessing_context``, ``worker_init_fn``, ``prefetch_factor``,
+            ``persistent_workers``...).
     """
 
     def __init__(
         self,
         dataset: Any,
         cache_dir: str | os.PathLike[str] | None = None,
-        chunk_bytes: int | None = None,
+        chunk_bytes: int | str | None = None,
         chunk_size: int | None = None,
         batch_size: int = 1,
         num_workers: int = 0,
         shuffle: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         compression: str | None = None,
         **kwargs: Any,
     ) -> None:
         for name in _UNSUPPORTED:
-            if kwargs.get(name) is not None:
+            if kwargs.pop(name, None) is not None:
                 raise ConfigError(
                     f"CacheDataLoader orders items itself (shuffle, seed); {name}= is not supported"
                 )
@@ -191,10 +210,17 @@ class CacheDataLoader:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
         self._stream: StreamingDataset | None = None
         self._owned = False
+        self._stream_loader: DataLoader[Any] | None = None  # kept for persistent workers
         if isinstance(dataset, StreamingDataset):
             if shuffle and not dataset.shuffle:
                 raise ConfigError(
                     "a StreamingDataset orders its own items: pass shuffle=True (and seed) "
+                    "to StreamingDataset, not to CacheDataLoader"
+                )
+            if seed is not None and seed != dataset.seed:
+                raise ConfigError(
+                    f"a StreamingDataset orders its own items with its own seed "
+                    f"({dataset.seed}); seed={seed} here would be ignored: pass seed={seed} "
                     "to StreamingDataset, not to CacheDataLoader"
                 )
             self._stream = dataset
@@ -217,14 +243,17 @@ class CacheDataLoader:
                     "CacheDataLoader needs cache_dir= (where to write the chunks) unless the "
                     "dataset keeps its own Cache"
                 )
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_workers = num_workers
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            collate_fn=collate_fn or default_collate,
+            **kwargs,
+        )
+        self._bs: int = batch_size  # (DataLoader types batch_size as optional)
         self.shuffle = self._stream.shuffle if self._stream else shuffle
-        self.seed = self._stream.seed if self._stream else seed
-        self.drop_last = drop_last
-        self.collate_fn = collate_fn or default_collate
-        self.kwargs = kwargs
+        self.seed = self._stream.seed if self._stream else (seed or 0)
         self._epoch = 0  # the epoch the next iter() runs
         self._current = 0  # the epoch running (or last run)
         self._writing = False
@@ -292,25 +321,25 @@ class CacheDataLoader:
             world = distributed.current()
             n = r.get("items")
             if n is not None:
-                total = map_batch_count(n, world.world_size, self.batch_size, self.drop_last)
+                total = map_batch_count(n, world.world_size, self._bs, self.drop_last)
                 return max(0, total - int(r["batches"]))
         if self._owned or self._must_write():
             world = distributed.current()
             n = (
                 len(self.cache)
                 if self.cache is not None and self.cache.filled
-                else len(self.dataset)
+                else len(self.dataset)  # type: ignore[arg-type]
             )
             per_rank = -(-n // world.world_size)
         else:
             ds = self._streaming()
-            ds.batch_size, ds.num_workers = self.batch_size, max(1, self.num_workers)
+            ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
             per_rank = len(ds)
         if self.drop_last:
-            return per_rank // self.batch_size
-        return -(-per_rank // self.batch_size)
+            return per_rank // self._bs
+        return -(-per_rank // self._bs)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Start the next epoch (or the loaded position) and return its batches.
 
         Everything a checkpoint depends on is set up here, not at the first batch: a
@@ -347,26 +376,39 @@ class CacheDataLoader:
         self._it = _Epoch(epoch, map_order, received)
         return self._it
 
-    def _loader(self, dataset: Any, **kw: Any) -> DataLoader[Any]:
-        return DataLoader(dataset, num_workers=self.num_workers, **kw, **self.kwargs)
+    def _loader(self, dataset: Any, persistent: bool = False, **kw: Any) -> DataLoader[Any]:
+        """An inner DataLoader with this one's settings (persistent workers only for the
+        streamed epochs, whose loader is kept)."""
+        for name in _PASSED:
+            kw[name] = getattr(self, name)
+        if self.num_workers > 0:
+            kw["prefetch_factor"] = self.prefetch_factor
+            kw["persistent_workers"] = persistent
+        else:
+            kw["multiprocessing_context"] = None
+        return DataLoader(dataset, num_workers=self.num_workers, **kw)
 
     def _stream_epoch(self, epoch: int, resume: dict[str, Any] | None) -> Iterator[Any]:
         """Position the dataset now (so a state taken before the first batch is right);
         the DataLoader starts at the first batch."""
         ds = self._streaming()
+        ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
         if resume is not None:
             ds.load_state_dict(resume["stream"])
         else:
             ds.set_epoch(epoch)
-        ds.batch_size, ds.num_workers = self.batch_size, max(1, self.num_workers)
-        return _lazy(
-            self._loader(
+        loader = self._stream_loader
+        if loader is None:
+            loader = self._loader(
                 ds,
-                batch_size=self.batch_size,
+                persistent=self.persistent_workers,
+                batch_size=self._bs,
                 drop_last=self.drop_last,
                 collate_fn=self.collate_fn,
             )
-        )
+            if self.persistent_workers:
+                self._stream_loader = loader
+        return _lazy(loader)
 
     def _map_batches(self, epoch: int, n: int) -> list[list[int]]:
         world = distributed.current()
@@ -377,7 +419,7 @@ class CacheDataLoader:
             epoch=epoch,
             rank=world.rank,
             world_size=world.world_size,
-            batch_size=self.batch_size,
+            batch_size=self._bs,
             drop_last=self.drop_last,
         )
 
@@ -412,7 +454,7 @@ class CacheDataLoader:
         )
         yield from self._loader(
             self.dataset,
-            batch_size=self.batch_size,
+            batch_size=self._bs,
             sampler=sampler,
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
@@ -438,19 +480,18 @@ class CacheDataLoader:
                 source = IterableWritePass(self.dataset, self.cache, world.rank, nw, token)
                 loader = self._loader(
                     source,
-                    batch_size=self.batch_size,
+                    batch_size=self._bs,
                     drop_last=self.drop_last,
                     collate_fn=self.collate_fn,
                 )
             else:
+                n = len(self.dataset)  # type: ignore[arg-type]
                 share = rank_share(
-                    epoch_order(
-                        len(self.dataset), shuffle=self.shuffle, seed=self.seed, epoch=epoch
-                    ),
+                    epoch_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch),
                     world.rank,
                     world.world_size,
                 )
-                bs = self.batch_size
+                bs = self._bs
                 batches = [share[i : i + bs] for i in range(0, len(share), bs)]
                 leftover: list[tuple[int, bool]] = []
                 if self.drop_last and batches and len(batches[-1]) < bs:
@@ -524,7 +565,7 @@ class CacheDataLoader:
             "batches": batches,
             "world": distributed.current().world_size,
             "num_workers": max(1, self.num_workers),
-            "batch_size": self.batch_size,
+            "batch_size": self._bs,
             "writing": writing,
         }
 
@@ -557,16 +598,14 @@ class CacheDataLoader:
     def _stream_state(self, epoch: int, batches: int) -> dict[str, Any]:
         ds = self._streaming()
         nw = max(1, self.num_workers)
-        ds.batch_size, ds.num_workers = self.batch_size, nw
+        ds.batch_size, ds.num_workers = self._bs, nw
         left = len(ds)  # what this rank had still to receive when the epoch (part) began
-        received = min(batches * self.batch_size, left)
-        if self.drop_last and left - received < self.batch_size:
+        received = min(batches * self._bs, left)
+        if self.drop_last and left - received < self._bs:
             # The short last batch is dropped, never received: the epoch is over.
             received = left
         state = self._base_state(epoch, batches, False)
-        state["stream"] = ds.state_dict(
-            received=received, num_workers=nw, batch_size=self.batch_size
-        )
+        state["stream"] = ds.state_dict(received=received, num_workers=nw, batch_size=self._bs)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -615,7 +654,7 @@ class CacheDataLoader:
         want: tuple[int, ...]
         if self._must_write():
             got = (state["world"], state["num_workers"], state["batch_size"])
-            want = (world.world_size, max(1, self.num_workers), self.batch_size)
+            want = (world.world_size, max(1, self.num_workers), self._bs)
             what = "(world size, workers, batch size)"
         else:
             if state.get("source") == "iterable" or self._iterable_source():
@@ -624,7 +663,7 @@ class CacheDataLoader:
                     "is not kept once the cache is merged, so it can't be continued"
                 )
             got = (state["world"], state["batch_size"])
-            want = (world.world_size, self.batch_size)
+            want = (world.world_size, self._bs)
             what = "(world size, batch size)"
         if got != want:
             raise ResumeStateError(
@@ -638,7 +677,7 @@ class CacheDataLoader:
             )
         epoch, batches = int(state["epoch"]), int(state["batches"])
         complete = n is not None and batches >= map_batch_count(
-            n, world.world_size, self.batch_size, self.drop_last
+            n, world.world_size, self._bs, self.drop_last
         )
         return {
             "writing": True,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..config import Settings
@@ -21,6 +23,8 @@ from . import distributed
 STATE_VERSION = 1
 _BLOCK = 512  # positions materialised at a time; bounds memory per worker
 _LOOKAHEAD = 8192  # positions scanned at a time when looking for the next chunks
+_SLOTS = 1024  # epoch counters, one per DataLoader worker slot (see _take_epoch)
+_PLAN_BYTES = 56 << 10  # room for the published plan (a few intervals in JSON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +91,11 @@ class StreamingDataset(IterableDataset[Any]):
     before they are needed, and releasing chunks to the cache's LRU once read.
 
     The order of epoch ``e`` is a pure function of (dataset, ``seed``, ``e``, world size,
-    workers, batch size): identical on every rerun, different for the next epoch. Call
-    :meth:`set_epoch` each epoch when you use a plain ``torch.utils.data.DataLoader``
-    (``CacheDataLoader`` does it for you, and tracks what was consumed for resume).
+    workers, batch size): identical on every rerun, different for the next epoch. Each
+    new ``iter()`` runs the next epoch (0, 1, 2, ...) unless :meth:`set_epoch` named the
+    epoch it runs, whether the dataset is iterated directly, through a plain
+    ``torch.utils.data.DataLoader`` (also with ``persistent_workers=True``) or through
+    ``CacheDataLoader`` (which also tracks what was consumed, for resume).
 
     Under ``torch.distributed`` (or ``RANK``/``WORLD_SIZE`` with a launched group) every
     rank yields the same number of samples, so DDP never hangs: with ``drop_last=True``
@@ -123,7 +129,7 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool | None = None,
-        max_cache_bytes: int | None = None,
+        max_cache_bytes: int | str | None = None,
         transform: Callable[[Any], Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
@@ -143,9 +149,9 @@ class StreamingDataset(IterableDataset[Any]):
         self.seed = seed
         self.drop_last = bool(drop_last)
         self.transform = transform
-        self.batch_size = batch_size
+        self._batch_size = batch_size
         self.shuffle_window = shuffle_window
-        self.num_workers: int | None = None  # set by CacheDataLoader; else from torch
+        self._num_workers: int | None = None  # set by CacheDataLoader; else from torch
         self._progress = _Progress()
         self._reader = Reader(
             self.index,
@@ -157,11 +163,40 @@ class StreamingDataset(IterableDataset[Any]):
         )
         self._yielded = 0
         self._rank_world = distributed.rank_and_world()
+        # Shared with every DataLoader worker (forked or spawned, persistent or not): the
+        # epoch counters and the plan the main process published (see _publish).
+        self._shared = torch.zeros(_SLOTS * 8 + 8 + _PLAN_BYTES, dtype=torch.uint8)
+        self._shared.share_memory_()
+        self._expect = 0  # the counter value this process last wrote or advanced to
+        self._pending: tuple[_Progress, int] | None = None  # a worker's loaded state
+        self._skip = 0  # items this worker had yielded of its run before a resume
+        self._publish()
 
     def _world(self, num_workers: int | None = None) -> distributed.World:
         if get_worker_info() is None:  # the main process sees the process group
             self._rank_world = distributed.rank_and_world()
         return distributed.current(num_workers or self.num_workers, captured=self._rank_world)
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._batch_size = value
+        if "_shared" in self.__dict__:
+            self._publish()
+
+    @property
+    def num_workers(self) -> int | None:
+        """The consumer's DataLoader worker count (None: as torch reports it)."""
+        return self._num_workers
+
+    @num_workers.setter
+    def num_workers(self, value: int | None) -> None:
+        self._num_workers = value
+        if "_shared" in self.__dict__:
+            self._publish()
 
     # -- size and random access ----------------------------------------------------
     @property
@@ -179,9 +214,86 @@ class StreamingDataset(IterableDataset[Any]):
 
     # -- epochs --------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning (drops a partially resumed one)."""
+        """Make the next ``iter()`` run epoch ``epoch`` from its beginning (drops a partially
+        resumed one). Without it, each ``iter()`` runs the epoch after the previous one."""
         self._progress = _Progress(epoch=epoch)
         self._world()  # capture rank and world size for the DataLoader workers
+        self._set_counters(epoch)
+        self._publish()
+
+    # -- the plan shared with DataLoader workers -----------------------------------
+    def _counters(self) -> np.ndarray:
+        return self._shared[: _SLOTS * 8].numpy().view(np.int64)
+
+    def _set_counters(self, epoch: int) -> None:
+        self._counters()[:] = epoch
+        self._expect = epoch
+
+    def _publish(self) -> None:
+        """Write what a worker needs to run an epoch where every worker reads it: workers
+        of a ``persistent_workers=True`` DataLoader keep the copy of the dataset they
+        started with, so attributes set later in the main process would not reach them."""
+        if get_worker_info() is not None:
+            return
+        pr = self._progress
+        plan = {
+            "progress": [
+                pr.epoch,
+                None if pr.remaining is None else [list(r) for r in pr.remaining],
+                pr.world,
+                pr.num_workers,
+                pr.batch_size,
+                pr.received,
+            ],
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "rank_world": list(self._rank_world),
+        }
+        raw = json.dumps(plan).encode()
+        if len(raw) > _PLAN_BYTES:
+            raise ResumeStateError(
+                f"{self.source.url}: the epoch's position holds too many intervals "
+                f"({len(raw)} bytes) to share with DataLoader workers"
+            )
+        head = _SLOTS * 8
+        self._shared[head : head + 8].numpy().view(np.int64)[0] = len(raw)
+        self._shared[head + 8 : head + 8 + len(raw)].numpy()[:] = np.frombuffer(raw, np.uint8)
+
+    def _sync(self) -> None:
+        """In a worker: take the plan the main process published."""
+        head = _SLOTS * 8
+        n = int(self._shared[head : head + 8].numpy().view(np.int64)[0])
+        plan = json.loads(bytes(self._shared[head + 8 : head + 8 + n].numpy()))
+        e, remaining, world, nw, bs, received = plan["progress"]
+        self._progress = _Progress(
+            e,
+            None if remaining is None else tuple((int(a), int(b)) for a, b in remaining),
+            world,
+            nw,
+            bs,
+            received,
+        )
+        self.batch_size, self.num_workers = plan["batch_size"], plan["num_workers"]
+        self._rank_world = (int(plan["rank_world"][0]), int(plan["rank_world"][1]))
+
+    def _take_epoch(self, pinned: int | None = None) -> int:
+        """The epoch this ``iter()`` runs, and advance the counters past it.
+
+        Worker ``w`` of ``W`` reads counter slot ``w`` and sets slots ``w, w+W, ...`` to the
+        next epoch, so every slot advances once per epoch whatever the worker count and
+        no two workers of a loader touch the same slot: all workers of an epoch (and a
+        later loader with another worker count) agree. Iterated in this process, it is
+        worker 0 of 1. ``pinned``: the epoch a loaded worker state runs.
+        """
+        info = get_worker_info()
+        w, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        if nw > _SLOTS:
+            raise ConfigError(f"StreamingDataset supports at most {_SLOTS} DataLoader workers")
+        counters = self._counters()
+        epoch = int(counters[w]) if pinned is None else pinned
+        counters[w::nw] = epoch + 1
+        self._expect = epoch + 1
+        return epoch
 
     @property
     def epoch(self) -> int:
@@ -213,6 +325,20 @@ class StreamingDataset(IterableDataset[Any]):
         )
 
     def __iter__(self) -> Iterator[Any]:
+        in_worker = get_worker_info() is not None
+        if in_worker:
+            self._sync()
+        pending, self._pending = self._pending, None
+        if pending is not None:  # a worker's own state, loaded by a stateful DataLoader
+            self._progress, self._skip = pending
+            self._take_epoch(self._progress.epoch)
+        else:
+            epoch = self._take_epoch()
+            self._skip = 0
+            if self._progress.epoch != epoch:
+                self._progress = _Progress(epoch=epoch)
+            if not in_worker:
+                self._publish()
         world = self._world()
         pr, p = self._plan(world)
         # Continuing a plan: batch p of the rank comes from logical worker p mod W, and a
@@ -221,7 +347,7 @@ class StreamingDataset(IterableDataset[Any]):
         nw = pr.num_workers
         logical = (pr.received // pr.batch_size + world.worker) % nw
         skip = received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received)[logical]
-        segments = _drop(p.workers[logical], skip)
+        segments = _drop(p.workers[logical], skip + self._skip)
         order = self._order()
         self._yielded = 0
         try:
@@ -269,10 +395,25 @@ class StreamingDataset(IterableDataset[Any]):
         Args:
             received: samples this rank's consumer received since this epoch (or its
                 resumed part) started; ``CacheDataLoader`` passes it. Iterating the
-                dataset directly, it counts what it yielded itself.
+                dataset directly, it counts what it yielded itself. Inside a DataLoader
+                worker (a stateful loader such as torchdata's ``StatefulDataLoader``
+                asks each worker), it is that worker's own position.
             num_workers, batch_size: how the consumer's DataLoader was set up.
+
+        Raises:
+            ResumeStateError: called in the main process after DataLoader workers
+                iterated this dataset: this copy never saw what they yielded.
         """
+        if received is None and get_worker_info() is not None:
+            return self._worker_state()
         if received is None:  # iterated directly: one worker, one sample at a time
+            if int(self._counters()[0]) != self._expect:
+                raise ResumeStateError(
+                    f"{self.source.url}: this StreamingDataset was iterated by DataLoader "
+                    "worker processes, so this process doesn't know what they yielded and "
+                    "its state_dict() would restart the epoch; iterate it with "
+                    "CacheDataLoader and save CacheDataLoader.state_dict() instead"
+                )
             num_workers, batch_size, received = 1, 1, self._yielded
         world = self._world(num_workers)
         pr = self._progress.adapted(
@@ -297,10 +438,36 @@ class StreamingDataset(IterableDataset[Any]):
             "received": pr.received + int(received),
         }
 
+    def _worker_state(self) -> dict[str, Any]:
+        """This DataLoader worker's position: the epoch part it runs and how many items of
+        its own run it yielded (what a stateful DataLoader saves per worker)."""
+        info = get_worker_info()
+        assert info is not None
+        pr = self._progress
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.index.checksum,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "drop_last": self.drop_last,
+            "epoch": pr.epoch,
+            "remaining": None if pr.remaining is None else [list(r) for r in pr.remaining],
+            "world": pr.world,
+            "num_workers": pr.num_workers,
+            "batch_size": pr.batch_size,
+            "received": pr.received,
+            "worker": info.id,
+            "workers": info.num_workers,
+            "yielded": self._skip + self._yielded,
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the samples ``state`` says were received.
 
-        Works with another world size or worker count than the state was saved with.
+        Works with another world size or worker count than the state was saved with
+        (except a single worker's state, which a stateful DataLoader hands back to the
+        same worker of the same worker count).
 
         Raises:
             ResumeStateError: the state belongs to another dataset, seed or shuffle setting.
@@ -319,6 +486,9 @@ class StreamingDataset(IterableDataset[Any]):
                     f"{self.source.url}: the state was saved with {key}={state.get(key)!r}, "
                     f"this dataset has {key}={mine!r}; it can't continue that epoch"
                 )
+        if "worker" in state:
+            self._load_worker_state(state)
+            return
         pr = _Progress(
             epoch=int(state["epoch"]),
             remaining=tuple((int(a), int(b)) for a, b in state["remaining"]),
@@ -337,6 +507,31 @@ class StreamingDataset(IterableDataset[Any]):
         )
         # An epoch whose consumer got everything continues with the next epoch.
         self._progress = pr if rest else _Progress(epoch=pr.epoch + 1)
+        self._world()
+        self._set_counters(self._progress.epoch)
+        self._publish()
+
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        info = get_worker_info()
+        here = (info.id, info.num_workers) if info is not None else (0, 1)
+        if (state["worker"], state["workers"]) != here:
+            raise ResumeStateError(
+                f"{self.source.url}: the state is DataLoader worker {state['worker']} of "
+                f"{state['workers']}'s position, loaded into worker {here[0]} of {here[1]}; "
+                "resume with the same num_workers, or use CacheDataLoader, whose state "
+                "resumes with any worker count"
+            )
+        remaining = state["remaining"]
+        pr = _Progress(
+            epoch=int(state["epoch"]),
+            remaining=None if remaining is None else tuple((int(a), int(b)) for a, b in remaining),
+            world=int(state["world"]),
+            num_workers=int(state["num_workers"]),
+            batch_size=int(state["batch_size"]),
+            received=int(state["received"]),
+        )
+        self._progress = pr
+        self._pending = (pr, int(state["yielded"]))
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:

@@ -68,3 +68,10 @@ class SelfCachingDataset(Dataset):
             self.cache[index] = data
         assert len(data["v"]) == data["i"] == index
         return data["i"]
+
+
+def key_and_pid(item: dict) -> tuple[int, int]:
+    """A transform recording which process read the item."""
+    import os
+
+    return int(item["i"]), os.getpid()
