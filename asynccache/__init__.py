@@ -14,7 +14,9 @@ from .errors import (
     ConfigError,
     CorruptIndexError,
     DataError,
+    DatasetExistsError,
     DiskFullError,
+    InputFailedError,
     ObjectNotFoundError,
     ResumeStateError,
     RetriesExhaustedError,
@@ -25,8 +27,10 @@ from .errors import (
     TruncatedChunkError,
     UnsafePathError,
     UnsupportedVersionError,
+    WorkerDiedError,
     WriteConflictError,
 )
+from .optimize import OptimizeResult, optimize
 from .prefetch import prefetch
 from .torch.cache import Cache, CacheNotFilledError
 from .torch.dataloader import CacheDataLoader
@@ -48,11 +52,14 @@ __all__ = [
     "ConfigError",
     "CorruptIndexError",
     "DataError",
+    "DatasetExistsError",
     "DiskFullError",
     "DownloadStats",
     "Fetcher",
     "FetcherStats",
+    "InputFailedError",
     "ObjectNotFoundError",
+    "OptimizeResult",
     "ResumeStateError",
     "RetriesExhaustedError",
     "SerializationError",
@@ -65,8 +72,10 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedVersionError",
     "UploadSummary",
+    "WorkerDiedError",
     "WriteConflictError",
     "__version__",
+    "optimize",
     "prefetch",
     "upload",
 ]

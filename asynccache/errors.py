@@ -5,6 +5,7 @@ Each class also inherits the builtin a caller would already catch, so
 
     AsyncCacheError
     ├── ConfigError (ValueError)           bad setting, env value, URL or argument
+    │   └── DatasetExistsError (FileExistsError)  optimize(mode="create") over a dataset
     ├── StorageError (OSError)             anything the storage backend reports
     │   ├── ObjectNotFoundError (FileNotFoundError)   missing bucket, key, file
     │   ├── AuthError (PermissionError)               rejected or missing credentials
@@ -24,6 +25,8 @@ Each class also inherits the builtin a caller would already catch, so
     │   ├── DiskFullError                  the cache's filesystem is full, even after evicting
     │   └── WriteConflictError             another job is writing the same output directory
     ├── ResumeStateError (ValueError)      a state_dict that doesn't fit this loader
+    ├── InputFailedError (RuntimeError)    optimize's fn raised on an input (named)
+    ├── WorkerDiedError (RuntimeError)     an optimize worker process died; a rerun resumes
     └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
 
 Lower-layer exceptions are translated at the layer boundary and always chained
@@ -43,7 +46,9 @@ __all__ = [
     "ConfigError",
     "CorruptIndexError",
     "DataError",
+    "DatasetExistsError",
     "DiskFullError",
+    "InputFailedError",
     "ObjectNotFoundError",
     "ResumeStateError",
     "RetriesExhaustedError",
@@ -54,6 +59,7 @@ __all__ = [
     "TruncatedChunkError",
     "UnsafePathError",
     "UnsupportedVersionError",
+    "WorkerDiedError",
     "WriteConflictError",
 ]
 
@@ -160,6 +166,18 @@ class DiskFullError(CacheError):
 
 class WriteConflictError(CacheError):
     """Another job is writing into the same output directory (its lock is held)."""
+
+
+class DatasetExistsError(ConfigError, FileExistsError):
+    """``optimize(mode="create")`` found a dataset (``index.json``) at the output already."""
+
+
+class InputFailedError(AsyncCacheError, RuntimeError):
+    """``optimize``'s ``fn`` raised on an input; the message names the input."""
+
+
+class WorkerDiedError(AsyncCacheError, RuntimeError):
+    """An ``optimize`` worker process died (killed, out of memory); a rerun resumes."""
 
 
 class ResumeStateError(AsyncCacheError, ValueError):

@@ -1,0 +1,658 @@
+"""``optimize``: convert ``fn(input)`` over many inputs into a dataset, straight into storage.
+
+The job is cut into shards (contiguous slices of ``inputs``). Ranks take shards
+``k % world_size == rank``; within a rank a spawn-safe process pool takes them one at a
+time (:func:`write_shard`). Global rank 0 holds the lease and is the finisher: once every
+shard index is in the output, it merges them into ``index.json``, written last
+(:func:`merge_shards`). See docs/optimize.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import multiprocessing
+import pickle
+import queue
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from .._version import __version__
+from ..config import Settings, launch_env, parse_size
+from ..errors import (
+    AsyncCacheError,
+    BadIndexError,
+    ConfigError,
+    InputFailedError,
+    WorkerDiedError,
+)
+from ..format import INDEX_NAME, Index, merge
+from ..format.items import compressor
+from ..storage import Storage
+from ..writer import MERGE_STALL_S
+from . import job as jobs
+from .job import JOB_KEY, WORK_PREFIX, Job, Lease, call, chunk_prefix, get_json, shard_key
+from .shard import ShardResult, write_shard
+
+log = logging.getLogger(__name__)
+
+_POLL_S = (0.05, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizeResult:
+    """What :func:`optimize` produced.
+
+    Attributes:
+        url: the output.
+        index: the committed ``index.json``.
+        inputs: inputs converted by this call (resumed shards not counted).
+        items: items written by this call.
+        bytes: chunk bytes written by this call.
+        skipped: inputs skipped by ``on_error="skip"`` in the whole job.
+        errors: the first of those inputs' errors, verbatim.
+        resumed_shards: shards finished by an earlier run and skipped.
+        seconds: wall time.
+    """
+
+    url: str
+    index: Index
+    inputs: int
+    items: int
+    bytes: int
+    skipped: int
+    errors: tuple[str, ...]
+    resumed_shards: int
+    seconds: float
+
+
+# -- where this process sits ----------------------------------------------------------
+
+
+def _world() -> tuple[int, int, Callable[[object], object]]:
+    """(rank, world size, broadcast-from-rank-0). torch is imported only when distributed."""
+    env = launch_env()
+    if env is None and "torch.distributed" not in sys.modules:
+        return 0, 1, lambda v: v
+    from ..torch import distributed as tdist
+
+    rank, world = tdist.rank_and_world()
+    if world > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"optimize under RANK={rank} WORLD_SIZE={world} needs a torch.distributed "
+                "process group (dist.init_process_group('gloo') before calling it)"
+            )
+    return rank, world, tdist.broadcast
+
+
+# -- the per-shard API: start, write shards anywhere, merge ------------------------
+
+
+class JobRun:
+    """A started job: holds the lease until :meth:`merge` or :meth:`close`.
+
+    ``job`` is picklable; ``todo`` lists the shards still to write (a rerun of an
+    interrupted job skips the finished ones).
+    """
+
+    def __init__(self, storage: Storage, lease: Lease, job: Job, committed: bool) -> None:
+        self.storage, self.lease, self.job = storage, lease, job
+        self.committed = committed
+        self.index: Index | None = None
+
+    @property
+    def todo(self) -> list[int]:
+        if self.committed:
+            return []
+        return [k for k in range(self.job.num_shards) if k not in self.job.done]
+
+    def merge(self, *, stall_s: float = MERGE_STALL_S) -> Index:
+        """Wait for every shard index, then write ``index.json`` (see :func:`merge_shards`)."""
+        self.index = merge_shards(self.job, lease=self.lease, stall_s=stall_s, storage=self.storage)
+        self.committed = True
+        return self.index
+
+    def discard(self) -> None:
+        """Delete this job's uncommitted files (chunks, shard indexes, plan)."""
+        jobs.discard(self.storage, self.job.gen)
+        call(self.storage.delete(JOB_KEY))
+
+    def close(self) -> None:
+        """Release the lease (files stay: a rerun with the same arguments resumes)."""
+        self.lease.release()
+        with contextlib.suppress(Exception):
+            call(self.storage.close(), 30.0)
+
+    def __enter__(self) -> JobRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_job(
+    output_dir: str,
+    inputs: Sequence[Any],
+    fn: Callable[[Any], Any] | None = None,
+    *,
+    num_shards: int,
+    chunk_bytes: int | str = "64MB",
+    compression: str | None = None,
+    mode: str = "create",
+    on_error: str = "raise",
+    storage_options: dict[str, Any] | None = None,
+    settings: Settings | None = None,
+) -> JobRun:
+    """Claim ``output_dir`` and plan (or resume) a job of ``num_shards`` shards.
+
+    The same arguments after a crash resume the unfinished job: ``JobRun.todo`` lists
+    only the shards still to write. Hand ``run.job`` and each shard's inputs to
+    :func:`write_shard` wherever it runs, then call ``run.merge()`` here.
+
+    Raises:
+        WriteConflictError: another live job is converting into ``output_dir``.
+        DatasetExistsError: ``mode="create"`` and ``output_dir`` holds a dataset.
+        ConfigError: a bad argument.
+    """
+    size = _check_args(chunk_bytes, compression, mode, on_error)
+    if num_shards <= 0:
+        raise ConfigError(f"num_shards must be > 0, got {num_shards}")
+    settings = settings if settings is not None else Settings.from_env()
+    aws_env = Settings.aws_env()
+    n = len(inputs)
+    num_shards = max(1, min(num_shards, n))
+    job_for_storage = Job(
+        output_dir, "", "", n, num_shards, "", size, compression, mode,
+        storage_options=storage_options, settings=settings, aws_env=aws_env,
+    )  # fmt: skip
+    storage = job_for_storage.open_storage()
+    lease = Lease(storage, uuid.uuid4().hex)
+    lease.acquire()
+    try:
+        job, committed = jobs.start(
+            storage,
+            lease,
+            url=output_dir,
+            num_inputs=n,
+            num_shards=num_shards,
+            fp=jobs.fingerprint(inputs, fn, size, compression, mode),
+            chunk_bytes=size,
+            compression=compression,
+            mode=mode,
+            on_error=on_error,
+            storage_options=storage_options,
+            settings=settings,
+            aws_env=aws_env,
+        )
+    except BaseException:
+        lease.release()
+        raise
+    return JobRun(storage, lease, job, committed)
+
+
+def merge_shards(
+    job: Job,
+    *,
+    lease: Lease | None = None,
+    stall_s: float = MERGE_STALL_S,
+    storage: Storage | None = None,
+) -> Index:
+    """Wait for all of ``job``'s shard indexes, write ``index.json`` last, clean up.
+
+    The wait is bounded by progress: it fails once no new chunk or shard index appeared
+    for ``stall_s`` seconds while shards are missing. Before the commit the lease is
+    checked (a second job that took the output over makes this one stop uncommitted).
+    After it, ``_optimize/`` and, for ``overwrite``, the replaced dataset's chunks are
+    deleted.
+
+    Raises:
+        InputFailedError: a shard on another rank or task reported a failed input.
+        CacheError: shards stopped making progress (names them).
+        WriteConflictError: another job took the output over; nothing committed.
+    """
+    own = storage is None
+    storage = storage if storage is not None else job.open_storage()
+    try:
+        _wait_for_shards(storage, job, stall_s)
+        parts = call(_read_shards(storage, job))
+        if lease is not None:
+            lease.check()
+        base = jobs.check_current(storage, job)
+        index = _merged(job, base, parts)
+        if lease is not None:
+            lease.check()
+        call(jobs.put_bytes(storage, INDEX_NAME, index.to_json().encode()))
+        _clean_after_commit(storage, job, index, base)
+        return index
+    finally:
+        if own:
+            with contextlib.suppress(Exception):
+                call(storage.close(), 30.0)
+
+
+def _failed_key(job: Job, rank: int) -> str:
+    return f"{WORK_PREFIX}/{job.gen}/failed-{rank}.json"
+
+
+def _wait_for_shards(storage: Storage, job: Job, stall_s: float) -> None:
+    last_marker: Any = None
+    last_change = time.monotonic()
+    pause = _POLL_S[0]
+    while True:
+        work = call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))
+        failed = [o.key for o in work if "/failed-" in o.key]
+        if failed:
+            doc = call(get_json(storage, failed[0])) or {}
+            raise InputFailedError(str(doc.get("error", f"{failed[0]}: a shard failed")))
+        have = {o.key for o in work}
+        missing = [k for k in range(job.num_shards) if shard_key(job.gen, k) not in have]
+        if not missing:
+            return
+        chunks = call(storage.list(chunk_prefix(job.gen)))
+        marker = (frozenset(have), frozenset((o.key, o.size) for o in chunks))
+        now = time.monotonic()
+        if marker != last_marker:
+            last_marker, last_change, pause = marker, now, _POLL_S[0]
+        elif now - last_change > stall_s:
+            from ..errors import CacheError
+
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise CacheError(
+                f"{job.url}: shards {shown} have not finished and nothing was written for "
+                f"{stall_s:.0f}s; their writers are gone (rerun with the same arguments "
+                "to resume)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
+
+
+async def _read_shards(storage: Storage, job: Job) -> list[Index]:
+    import asyncio
+
+    gate = asyncio.Semaphore(16)
+
+    async def one(k: int) -> Index:
+        async with gate:
+            idx = await jobs.read_index(storage, shard_key(job.gen, k))
+        if idx is None:
+            raise BadIndexError(f"{storage.object_url(shard_key(job.gen, k))}: missing")
+        return idx
+
+    return list(await asyncio.gather(*(one(k) for k in range(job.num_shards))))
+
+
+def _merged(job: Job, base: Index | None, parts: list[Index]) -> Index:
+    """Shard indexes (keys 0..n-1 each) renumbered in shard order after ``base``'s items."""
+    offset = base.total_items if base is not None else 0
+    shifted = [base] if base is not None else []
+    inputs = skipped = 0
+    errors: list[str] = []
+    for part in parts:
+        chunks = tuple(
+            dataclasses.replace(c, keys=tuple((a + offset, n) for a, n in c.keys))
+            for c in part.chunks
+        )
+        shifted.append(dataclasses.replace(part, chunks=chunks, writer=None, token=None))
+        offset += part.total_items
+        inputs += int(part.config.get("inputs", 0))
+        skipped += int(part.config.get("skipped", 0))
+        errors += list(part.config.get("errors", ()))
+    if inputs != job.num_inputs:
+        raise BadIndexError(
+            f"{job.url}: the shards cover {inputs} inputs, the job has {job.num_inputs}"
+        )
+    config = {
+        "chunk_bytes": job.chunk_bytes,
+        "chunk_size": None,
+        "compression": job.compression,
+        "writer": f"asynccache {__version__}",
+        "generation": job.gen,
+        "skipped_inputs": skipped + int(base.config.get("skipped_inputs", 0) if base else 0),
+        "skipped_errors": errors[:20],
+    }
+    try:
+        return merge(shifted, config)
+    except BadIndexError as exc:
+        raise BadIndexError(f"{job.url}: cannot merge shard indexes: {exc}") from exc
+
+
+def _clean_after_commit(storage: Storage, job: Job, index: Index, base: Index | None) -> None:
+    named = {c.filename for c in index.chunks}
+    stale = [o.key for o in call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))]
+    # chunks no index names: leftovers of a redone shard, and (overwrite) the old dataset's
+    for o in call(storage.list("chunk-")):
+        if o.key not in named and (
+            job.mode == "overwrite" or o.key.startswith(chunk_prefix(job.gen))
+        ):
+            stale.append(o.key)
+    call(jobs.delete_many(storage, stale))
+    call(storage.delete(JOB_KEY))
+
+
+# -- the driver -------------------------------------------------------------------------
+
+
+def _check_args(chunk_bytes: int | str, compression: str | None, mode: str, on_error: str) -> int:
+    if mode not in jobs.MODES:
+        raise ConfigError(f"mode must be one of {', '.join(jobs.MODES)}, got {mode!r}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    try:
+        size = parse_size(chunk_bytes) if isinstance(chunk_bytes, str) else int(chunk_bytes)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"chunk_bytes={chunk_bytes!r} is not a size") from exc
+    if size <= 0:
+        raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
+    if compression is not None:
+        compressor(compression)  # fails now, naming the codec
+    return size
+
+
+_worker_queue: Any = None
+
+
+def _init_worker(q: Any) -> None:
+    global _worker_queue
+    _worker_queue = q
+
+
+def _report(inputs: int, items: int, nbytes: int) -> None:
+    if _worker_queue is not None:
+        with contextlib.suppress(Exception):
+            _worker_queue.put_nowait((inputs, items, nbytes))
+
+
+def _shard_task(
+    job: Job, fn: Callable[[Any], Any], inputs: Sequence[Any], shard: int, staging: str | None
+) -> ShardResult:
+    return write_shard(job, fn, inputs, shard, staging_dir=staging, progress=_report)
+
+
+class _Bar:
+    def __init__(self, total: int, url: str, show: bool) -> None:
+        self.bar = tqdm(total=total, unit="input", desc=f"optimize {url}", disable=not show)
+        self.items = self.bytes = 0
+        self.t0 = time.monotonic()
+
+    def update(self, inputs: int, items: int, nbytes: int) -> None:
+        self.items += items
+        self.bytes += nbytes
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        self.bar.set_postfix_str(
+            f"{self.items} items, {self.items / dt:.0f} items/s, {self.bytes / 2**20:.1f} MiB",
+            refresh=False,
+        )
+        self.bar.update(inputs)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _run_shards(
+    job: Job,
+    fn: Callable[[Any], Any],
+    inputs: Sequence[Any],
+    shards: list[int],
+    num_workers: int,
+    staging_dir: str | None,
+    bar: _Bar,
+) -> list[ShardResult]:
+    """Write ``shards`` here: inline for ``num_workers == 0``, else on a spawn pool."""
+    if num_workers == 0:
+        out = []
+        for k in shards:
+            a, b = job.bounds(k)
+            out.append(
+                write_shard(job, fn, inputs[a:b], k, staging_dir=staging_dir, progress=bar.update)
+            )
+        return out
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    results: list[ShardResult] = []
+    todo = list(shards)
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(num_workers, max(1, len(shards))),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(q,),
+    )
+    pending: set[concurrent.futures.Future[ShardResult]] = set()
+    ok = False
+    try:
+        while todo or pending:
+            while todo and len(pending) < 2 * num_workers:  # bounded: inputs are pickled
+                k = todo.pop(0)
+                a, b = job.bounds(k)
+                pending.add(pool.submit(_shard_task, job, fn, inputs[a:b], k, staging_dir))
+            done, pending = concurrent.futures.wait(
+                pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            _drain(q, bar)
+            for f in done:
+                try:
+                    results.append(f.result())
+                except concurrent.futures.process.BrokenProcessPool as exc:
+                    raise WorkerDiedError(
+                        f"{job.url}: a worker process died (killed or out of memory); the "
+                        "finished shards are kept: rerun with the same arguments to resume"
+                    ) from exc
+        _drain(q, bar)
+        ok = True
+        return results
+    finally:
+        if not ok:  # stop the other workers now rather than after their shards
+            for p in list(getattr(pool, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        q.close()
+        q.join_thread()
+
+
+def _drain(q: Any, bar: _Bar) -> None:
+    while True:
+        try:
+            bar.update(*q.get_nowait())
+        except queue.Empty:
+            return
+
+
+def optimize(
+    fn: Callable[[Any], Any],
+    inputs: Sequence[Any] | Iterable[Any],
+    output_dir: str,
+    *,
+    num_workers: int | None = None,
+    chunk_bytes: int | str = "64MB",
+    compression: str | None = None,
+    mode: str = "create",
+    storage_options: dict[str, Any] | None = None,
+    on_error: str = "raise",
+    num_shards: int | None = None,
+    staging_dir: str | None = None,
+    settings: Settings | None = None,
+) -> OptimizeResult:
+    """Convert ``fn(x) for x in inputs`` into a dataset at ``output_dir``; ``index.json`` last.
+
+    Args:
+        fn: ``fn(input)`` returns one item, yields several, or returns None (nothing).
+            A module-level function (it is pickled to spawned worker processes).
+        inputs: a sequence (anything else is made a list first). Its ``repr`` per item
+            identifies the job for resuming.
+        output_dir: ``s3://bucket/prefix``, a directory or any storage URL that takes writes.
+        num_workers: worker processes on this node (default: CPU count); 0 runs inline.
+        chunk_bytes: chunk size (``"64MB"``, or bytes).
+        compression: per-item compression (``"zstd"``), or None.
+        mode: ``"create"`` (fail if a dataset is there), ``"overwrite"`` (replace it; a
+            reader never sees a mix) or ``"append"`` (items after the existing ones; a new
+            dataset identity).
+        storage_options: backend options (docs/storage.md).
+        on_error: ``"raise"`` stops the job, naming the input, and deletes what it wrote;
+            ``"skip"`` leaves failing inputs out, counted in the result.
+        num_shards: resume and load-balancing unit (default: 4 per worker over all ranks,
+            at least one per 100k inputs).
+        staging_dir: where closed chunks wait for upload (default: the temp directory).
+        settings: tuning; default ``Settings.from_env()``; ``progress=False`` hides the bar.
+
+    Under ``torchrun`` (an initialised process group), every rank calls it with the same
+    arguments; rank 0 commits, and every rank returns once ``index.json`` is written.
+
+    Raises:
+        InputFailedError: ``fn`` raised on an input (named) with ``on_error="raise"``.
+        WorkerDiedError: a worker process died; a rerun resumes.
+        WriteConflictError: another job is converting into ``output_dir``.
+        DatasetExistsError: ``mode="create"`` and a dataset is already there.
+        ConfigError: a bad argument.
+    """
+    started = time.monotonic()
+    if not isinstance(inputs, Sequence):
+        inputs = list(inputs)
+    size = _check_args(chunk_bytes, compression, mode, on_error)
+    if num_workers is None:
+        num_workers = multiprocessing.cpu_count()
+    if num_workers < 0:
+        raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+    if num_workers > 0:
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise ConfigError(
+                f"fn {fn!r} cannot be sent to worker processes ({exc}); define it at module "
+                "level, or pass num_workers=0"
+            ) from exc
+    settings = settings if settings is not None else Settings.from_env()
+    rank, world, broadcast = _world()
+    n = len(inputs)
+    if num_shards is None:
+        num_shards = max(4 * max(1, num_workers) * world, -(-n // 100_000))
+    run: JobRun | None = None
+    shipped: Any
+    if rank == 0:
+        try:
+            run = start_job(
+                output_dir, inputs, fn, num_shards=num_shards, chunk_bytes=size,
+                compression=compression, mode=mode, on_error=on_error,
+                storage_options=storage_options, settings=settings,
+            )  # fmt: skip
+            shipped = dataclasses.replace(run.job, settings=Settings(), aws_env={})
+            shipped = (shipped, run.committed)
+        except AsyncCacheError as exc:
+            broadcast(exc)
+            raise
+        broadcast(shipped)
+    else:
+        shipped = broadcast(None)
+        if isinstance(shipped, BaseException):
+            raise shipped
+    job0, committed = shipped
+    job: Job = dataclasses.replace(
+        job0, settings=settings, aws_env=Settings.aws_env(), storage_options=storage_options
+    )
+    mine = (
+        []
+        if committed
+        else [k for k in range(job.num_shards) if k % world == rank and k not in job.done]
+    )
+    total = sum(job.bounds(k)[1] - job.bounds(k)[0] for k in mine)
+    bar = _Bar(total, output_dir, settings.progress and sys.stderr.isatty())
+    results: list[ShardResult] = []
+    try:
+        results = _run_shards(job, fn, inputs, mine, num_workers, staging_dir, bar)
+    except InputFailedError as exc:
+        bar.close()
+        if run is not None:
+            run.discard()
+            run.close()
+        else:
+            _post_failure(job, rank, str(exc))
+        raise
+    except BaseException:
+        bar.close()
+        if run is not None:
+            run.close()  # files stay: a rerun resumes
+        raise
+    bar.close()
+    if run is not None:
+        try:
+            index = run.merge() if not committed else _read_committed(run.storage)
+        except InputFailedError:
+            run.discard()
+            raise
+        finally:
+            run.close()
+    else:
+        index = _wait_for_commit(job)
+    return OptimizeResult(
+        url=output_dir,
+        index=index,
+        inputs=sum(r.inputs for r in results),
+        items=sum(r.items for r in results),
+        bytes=sum(r.bytes for r in results),
+        skipped=int(index.config.get("skipped_inputs", 0)),
+        errors=tuple(index.config.get("skipped_errors", ())),
+        resumed_shards=len(job.done),
+        seconds=time.monotonic() - started,
+    )
+
+
+def _read_committed(storage: Storage) -> Index:
+    idx = call(jobs.read_index(storage))
+    if idx is None:
+        raise BadIndexError(f"{storage.url}: index.json vanished")
+    return idx
+
+
+def _post_failure(job: Job, rank: int, message: str) -> None:
+    storage = job.open_storage()
+    try:
+        call(
+            jobs.put_bytes(storage, _failed_key(job, rank), json.dumps({"error": message}).encode())
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            call(storage.close(), 30.0)
+
+
+def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
+    """Other ranks: wait until rank 0 committed this job (bounded by the job's progress)."""
+    storage = job.open_storage()
+    try:
+        last: Any = None
+        last_change = time.monotonic()
+        pause = _POLL_S[0]
+        while True:
+            idx = call(jobs.read_index(storage))
+            if idx is not None and idx.config.get("generation") == job.gen:
+                return idx
+            work = call(storage.list(f"{WORK_PREFIX}/"))
+            failed = [o.key for o in work if o.key.startswith(f"{WORK_PREFIX}/{job.gen}/failed-")]
+            if failed:
+                doc = call(get_json(storage, failed[0])) or {}
+                raise InputFailedError(str(doc.get("error", "another rank failed")))
+            marker = frozenset((o.key, o.size) for o in work)
+            now = time.monotonic()
+            if marker != last:
+                last, last_change, pause = marker, now, _POLL_S[0]
+            elif now - last_change > stall_s:
+                from ..errors import CacheError
+
+                raise CacheError(
+                    f"{job.url}: rank 0 has not committed job {job.gen} and nothing changed "
+                    f"for {stall_s:.0f}s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+    finally:
+        with contextlib.suppress(Exception):
+            call(storage.close(), 30.0)

@@ -1,0 +1,423 @@
+"""One conversion job in the output: its plan, its lease, and the names it writes.
+
+Everything a job writes lives at the output root (a bucket prefix or a directory); no
+shared file system is involved, only the storage contract (put, list, head, delete)::
+
+    index.json                              the commit, written last by the finisher
+    chunk-<gen>-<shard>-<n>.bin             chunks; <gen> is new for every job
+    _optimize/lease.json                    the running job: owner token, pid, host, heartbeat
+    _optimize/job.json                      the plan: gen, shard count, input fingerprint
+    _optimize/<gen>/shard-<k>.index.json    one per finished shard: its chunks, keys 0..n-1
+
+Invariants:
+
+* A chunk name is never reused across jobs (``<gen>`` is random), so overwriting or
+  appending never changes bytes that an ``index.json`` already names.
+* ``_optimize/<gen>/shard-<k>.index.json`` is written only after every chunk it names is
+  stored: its presence means shard ``k`` is finished, and a rerun skips it.
+* ``index.json`` is written after every shard index is read back; only then are
+  ``_optimize/`` and superseded chunks deleted.
+
+Layer: storage, format, errors; used by the optimize driver and the per-shard API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from ..bridge import get_loop_thread
+from ..config import Settings
+from ..errors import ObjectNotFoundError, WriteConflictError
+from ..format import INDEX_NAME, Index
+from ..storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+WORK_PREFIX = "_optimize"
+LEASE_KEY = f"{WORK_PREFIX}/lease.json"
+JOB_KEY = f"{WORK_PREFIX}/job.json"
+MODES = ("create", "overwrite", "append")
+#: A lease whose heartbeat is older than this is stale: its job is gone.
+LEASE_TTL_S = 60.0
+#: How long a new lease waits before reading it back (a racing job's write lands first).
+LEASE_SETTLE_S = 0.5
+#: Outer bound on one storage call from sync code; each request has its own timeouts.
+IO_BOUND_S = 3600.0
+
+
+def chunk_name(gen: str, shard: int, n: int) -> str:
+    return f"chunk-{gen}-{shard}-{n}.bin"
+
+
+def chunk_prefix(gen: str) -> str:
+    return f"chunk-{gen}-"
+
+
+def shard_key(gen: str, shard: int) -> str:
+    return f"{WORK_PREFIX}/{gen}/shard-{shard:06d}.index.json"
+
+
+def call(coro: Any, timeout: float = IO_BOUND_S) -> Any:
+    """Run a storage coroutine on this process's I/O thread and wait for it."""
+    return get_loop_thread().call(coro, timeout)
+
+
+async def put_bytes(storage: Storage, key: str, data: bytes) -> None:
+    """Store ``data`` as ``key`` (whole object; atomic on every backend)."""
+    fd, tmp = tempfile.mkstemp(prefix="asynccache-put-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        await storage.upload(tmp, key)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+async def get_json(storage: Storage, key: str) -> dict[str, Any] | None:
+    """The JSON object stored as ``key``, or None when absent or not a JSON object."""
+    try:
+        data = await storage.read(key)
+    except ObjectNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+async def read_index(storage: Storage, key: str = INDEX_NAME) -> Index | None:
+    """The parsed ``key`` (an index), or None when absent."""
+    try:
+        data = await storage.read(key)
+    except ObjectNotFoundError:
+        return None
+    return Index.from_json(data, storage.object_url(key))
+
+
+async def delete_many(storage: Storage, keys: Sequence[str]) -> None:
+    gate = asyncio.Semaphore(16)
+
+    async def one(key: str) -> None:
+        async with gate:
+            await storage.delete(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+def fingerprint(
+    inputs: Sequence[Any], fn: Any, chunk_bytes: int, compression: str | None, mode: str
+) -> str:
+    """A checksum of what defines the job: same arguments, same fingerprint.
+
+    Inputs enter through ``repr``: inputs whose ``repr`` changes from run to run (objects
+    without one) make every rerun a new job instead of a resume.
+    """
+    h = xxhash.xxh3_64()
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    h.update(json.dumps([len(inputs), name, chunk_bytes, compression, mode]).encode())
+    for x in inputs:
+        h.update(repr(x).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The plan of one conversion, shared by the driver, the workers and the finisher.
+
+    Picklable: it travels to worker processes (and to Ray/Dask/Spark tasks). Holds no
+    connection; each process opens its own storage from ``url`` and ``storage_options``.
+    """
+
+    url: str
+    gen: str
+    owner: str
+    num_inputs: int
+    num_shards: int
+    fingerprint: str
+    chunk_bytes: int
+    compression: str | None
+    mode: str
+    on_error: str = "raise"
+    #: The checksum of the index ``append`` extends (None otherwise).
+    base_checksum: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+    settings: Settings = dataclasses.field(default_factory=Settings, repr=False)
+    aws_env: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    #: Shards finished by an earlier, interrupted run of this job (skipped).
+    done: frozenset[int] = frozenset()
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        """``(start, stop)``: shard ``shard`` converts ``inputs[start:stop]``."""
+        n, s = self.num_inputs, self.num_shards
+        return shard * n // s, (shard + 1) * n // s
+
+    def open_storage(self) -> Storage:
+        return open_storage(self.url, self.settings, self.storage_options, self.aws_env)
+
+    def plan_doc(self) -> dict[str, Any]:
+        return {
+            "gen": self.gen,
+            "num_inputs": self.num_inputs,
+            "num_shards": self.num_shards,
+            "fingerprint": self.fingerprint,
+            "chunk_bytes": self.chunk_bytes,
+            "compression": self.compression,
+            "mode": self.mode,
+            "base_checksum": self.base_checksum,
+        }
+
+
+# -- the lease ----------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lease_is_live(doc: Mapping[str, Any], now: float, ttl_s: float) -> bool:
+    """True when the job that wrote lease ``doc`` may still be running.
+
+    On this host a dead pid settles it at once; elsewhere only the heartbeat's age can.
+    """
+    if doc.get("released"):
+        return False
+    pid = doc.get("pid")
+    if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+        return False
+    beat = doc.get("heartbeat")
+    return isinstance(beat, (int, float)) and now - beat < ttl_s
+
+
+def _describe(doc: Mapping[str, Any], now: float) -> str:
+    beat = doc.get("heartbeat")
+    age = f"{now - beat:.0f}s ago" if isinstance(beat, (int, float)) else "never"
+    return f"job {doc.get('owner')} (pid {doc.get('pid')} on {doc.get('host')}, heartbeat {age})"
+
+
+class Lease:
+    """This job's claim on the output: ``_optimize/lease.json`` holding our owner token.
+
+    Object stores offer no atomic create-if-absent through our storage contract, so the
+    claim is: read (refuse a live foreign lease), write ours, wait ``settle_s``, read back
+    (refuse when another job's write replaced ours). A heartbeat thread rewrites it every
+    ``ttl_s / 4`` after checking it is still ours, and :meth:`check` is called right
+    before the commit: of two jobs racing on one output, at most one writes
+    ``index.json``; the other raises :class:`WriteConflictError`.
+    """
+
+    def __init__(self, storage: Storage, owner: str, ttl_s: float = LEASE_TTL_S) -> None:
+        self.storage, self.owner, self.ttl_s = storage, owner, ttl_s
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _doc(self, released: bool = False) -> bytes:
+        doc = {
+            "owner": self.owner,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "heartbeat": time.time(),
+            "released": released,
+        }
+        return json.dumps(doc).encode()
+
+    def acquire(self, settle_s: float = LEASE_SETTLE_S) -> None:
+        """Claim the output. Raises WriteConflictError naming the other job."""
+        where = self.storage.url
+        doc = call(get_json(self.storage, LEASE_KEY))
+        now = time.time()
+        if (
+            doc is not None
+            and doc.get("owner") != self.owner
+            and lease_is_live(doc, now, self.ttl_s)
+        ):
+            raise WriteConflictError(
+                f"{where}: {_describe(doc, now)} is converting a dataset into this output; "
+                f"wait for it, or if it is dead on another host, rerun after {self.ttl_s:.0f}s "
+                "without a heartbeat"
+            )
+        if doc is not None and doc.get("owner") != self.owner and not doc.get("released"):
+            log.warning("%s: taking over the stale lease of %s", where, _describe(doc, now))
+        call(put_bytes(self.storage, LEASE_KEY, self._doc()))
+        time.sleep(settle_s)
+        self.check()
+        self._thread = threading.Thread(target=self._beat, name="asynccache-lease", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise WriteConflictError unless the lease still names this job."""
+        if self.lost is not None:
+            raise WriteConflictError(self.lost)
+        doc = call(get_json(self.storage, LEASE_KEY))
+        if doc is None or doc.get("owner") != self.owner:
+            now = time.time()
+            who = _describe(doc, now) if doc else "another job (lease removed)"
+            self.lost = (
+                f"{self.storage.url}: {who} started converting into this output while this "
+                "job ran; this job stops without committing"
+            )
+            raise WriteConflictError(self.lost)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.check()
+                call(put_bytes(self.storage, LEASE_KEY, self._doc()), self.ttl_s)
+            except WriteConflictError:
+                return
+            except Exception as exc:  # a missed beat is retried at the next one
+                log.warning("%s: lease heartbeat failed: %s", self.storage.url, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl_s)
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours (no wait for the next)."""
+        self.stop()
+        if self.lost is None:
+            with contextlib.suppress(Exception):
+                doc = call(get_json(self.storage, LEASE_KEY), self.ttl_s)
+                if doc is not None and doc.get("owner") == self.owner:
+                    call(self.storage.delete(LEASE_KEY), self.ttl_s)
+            remove_empty_work_dir(self.storage)
+
+
+def remove_empty_work_dir(storage: Storage) -> None:
+    """A local output keeps no empty ``_optimize/`` directories (object stores have none)."""
+    path = storage.local_path(WORK_PREFIX + "/x")
+    if path is None:
+        return
+    work = os.path.dirname(path)
+    for sub in os.scandir(work) if os.path.isdir(work) else ():
+        if sub.is_dir():
+            with contextlib.suppress(OSError):
+                os.rmdir(sub.path)
+    with contextlib.suppress(OSError):
+        os.rmdir(work)
+
+
+def new_gen() -> str:
+    return secrets.token_hex(4)
+
+
+def start(
+    storage: Storage,
+    lease: Lease,
+    *,
+    url: str,
+    num_inputs: int,
+    num_shards: int,
+    fp: str,
+    chunk_bytes: int,
+    compression: str | None,
+    mode: str,
+    on_error: str,
+    storage_options: Mapping[str, Any] | None,
+    settings: Settings,
+    aws_env: Mapping[str, str],
+) -> tuple[Job, bool]:
+    """With the lease held: resume the unfinished job of these arguments, or plan a new one.
+
+    Returns ``(job, committed)``; ``committed`` is True when this very job already wrote
+    its ``index.json`` (a rerun after a crash during cleanup).
+
+    Raises:
+        DatasetExistsError: ``mode="create"`` and a dataset is already there.
+    """
+    from ..errors import DatasetExistsError
+
+    current = call(read_index(storage))
+    plan = call(get_json(storage, JOB_KEY))
+    base = current.checksum if (mode == "append" and current is not None) else None
+    args = dict(
+        url=url,
+        owner=lease.owner,
+        num_inputs=num_inputs,
+        fingerprint=fp,
+        chunk_bytes=chunk_bytes,
+        compression=compression,
+        mode=mode,
+        on_error=on_error,
+        storage_options=storage_options,
+        settings=settings,
+        aws_env=aws_env,
+    )
+    if plan is not None and plan.get("fingerprint") == fp and plan.get("mode") == mode:
+        gen = str(plan["gen"])
+        if current is not None and current.config.get("generation") == gen:
+            job = Job(gen=gen, num_shards=int(plan["num_shards"]), **args)  # type: ignore[arg-type]
+            return job, True
+        if plan.get("base_checksum") == base:
+            listing = call(storage.list(f"{WORK_PREFIX}/{gen}/"))
+            done = frozenset(
+                int(o.key.rsplit("shard-", 1)[1].split(".", 1)[0])
+                for o in listing
+                if o.key.endswith(".index.json")
+            )
+            log.info("%s: resuming job %s: %d shards already done", url, gen, len(done))
+            job = Job(
+                gen=gen,
+                num_shards=int(plan["num_shards"]),
+                base_checksum=base,
+                done=done,
+                **args,  # type: ignore[arg-type]
+            )
+            return job, False
+    if plan is not None:  # an unfinished job with other arguments: its files go
+        log.warning("%s: discarding the unfinished job %s (other arguments)", url, plan.get("gen"))
+        discard(storage, str(plan.get("gen")))
+    if mode == "create" and current is not None:
+        raise DatasetExistsError(
+            f"{url}: a dataset is already there ({current.total_items} items); pass "
+            "mode='overwrite' to replace it or mode='append' to add to it"
+        )
+    job = Job(gen=new_gen(), num_shards=num_shards, base_checksum=base, **args)  # type: ignore[arg-type]
+    call(put_bytes(storage, JOB_KEY, json.dumps(job.plan_doc()).encode()))
+    return job, False
+
+
+def discard(storage: Storage, gen: str) -> None:
+    """Delete every file of the uncommitted job ``gen`` (chunks and shard indexes)."""
+    if not gen or "/" in gen:
+        return
+    keys = [o.key for o in call(storage.list(chunk_prefix(gen)))]
+    keys += [o.key for o in call(storage.list(f"{WORK_PREFIX}/{gen}/"))]
+    call(delete_many(storage, keys))
+
+
+def check_current(storage: Storage, job: Job) -> Index | None:
+    """The index ``append`` extends; raises WriteConflictError when it changed under us."""
+    current = call(read_index(storage))
+    if job.mode == "append":
+        now = current.checksum if current is not None else None
+        if now != job.base_checksum:
+            raise WriteConflictError(
+                f"{job.url}: index.json changed while this append ran; nothing was committed"
+            )
+        return current
+    return None

@@ -1,0 +1,170 @@
+"""optimize(): local and S3 outputs, modes, input errors, compact index (real SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from asynccache import (
+    ConfigError,
+    DatasetExistsError,
+    InputFailedError,
+    StreamingDataset,
+    optimize,
+)
+from asynccache.config import Settings
+from asynccache.optimize.job import WORK_PREFIX
+from tests.optimize import helpers
+
+QUIET = Settings.from_env(progress=False)
+
+
+def read_all(url: str, cache_dir: str, storage_options=None) -> list[dict]:
+    ds = StreamingDataset(url, cache_dir=cache_dir, storage_options=storage_options)
+    try:
+        return [ds[k] for k in range(len(ds))]
+    finally:
+        ds.close()
+
+
+def listing(objstore, bucket: str, prefix: str = "") -> list[str]:
+    from asynccache.optimize.job import call
+    from asynccache.storage import open_storage
+
+    storage = open_storage(f"s3://{bucket}/{prefix}", QUIET, objstore.storage_options)
+    try:
+        return [o.key for o in call(storage.list())]
+    finally:
+        call(storage.close())
+
+
+def test_s3_two_workers_each_output_once_in_input_order(objstore, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    inputs = list(range(120))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    res = optimize(
+        helpers.items, inputs, url, num_workers=2, chunk_bytes="2KB",
+        storage_options=objstore.storage_options, staging_dir=str(staging), settings=QUIET,
+    )  # fmt: skip
+    got = [
+        (int(x["i"]), int(x["j"])) for x in read_all(url, tmp_path / "c", objstore.storage_options)
+    ]
+    assert got == helpers.expected(inputs)
+    assert res.items == len(got) and res.inputs == 120
+    assert all(len(c.keys) == 1 for c in res.index.chunks)  # one key run per chunk
+    keys = listing(objstore, bucket, "ds")
+    assert not [k for k in keys if k.startswith(WORK_PREFIX)], keys  # no job files left
+    assert sorted(keys) == sorted(["index.json"] + [c.filename for c in res.index.chunks])
+    assert os.listdir(staging) == []  # staged chunks were deleted after upload
+
+
+def test_local_output_works_the_same(tmp_path):
+    out = str(tmp_path / "out")
+    inputs = list(range(60))
+    res = optimize(helpers.items, inputs, out, num_workers=0, chunk_bytes="1KB", settings=QUIET)
+    got = [(int(x["i"]), int(x["j"])) for x in read_all(out, tmp_path / "c")]
+    assert got == helpers.expected(inputs)
+    assert sorted(os.listdir(out)) == sorted(
+        ["index.json"] + [c.filename for c in res.index.chunks]
+    )
+
+
+def test_create_refuses_an_existing_dataset(tmp_path):
+    out = str(tmp_path / "out")
+    optimize(helpers.tag, [("a", i) for i in range(5)], out, num_workers=0, settings=QUIET)
+    with pytest.raises(DatasetExistsError, match="mode='overwrite'"):
+        optimize(helpers.tag, [("b", i) for i in range(5)], out, num_workers=0, settings=QUIET)
+
+
+def test_overwrite_never_mixes_and_a_failed_overwrite_keeps_the_old(objstore, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    so = objstore.storage_options
+    old = optimize(
+        helpers.tag, [("a", i) for i in range(40)], url, num_workers=0, chunk_bytes="512B",
+        storage_options=so, settings=QUIET,
+    )  # fmt: skip
+    # An overwrite whose fn fails halfway: the old dataset stays whole, no new chunk stays.
+    with pytest.raises(InputFailedError, match="input #7"):
+        optimize(helpers.bad_on_7, list(range(20)), url, num_workers=0, chunk_bytes="512B",
+                 mode="overwrite", storage_options=so, settings=QUIET)  # fmt: skip
+    assert sorted(listing(objstore, bucket, "ds")) == sorted(
+        ["index.json"] + [c.filename for c in old.index.chunks]
+    )
+    assert {x["name"] for x in read_all(url, tmp_path / "c1", so)} == {"a"}
+    new = optimize(
+        helpers.tag, [("b", i) for i in range(30)], url, num_workers=0, chunk_bytes="512B",
+        mode="overwrite", storage_options=so, settings=QUIET,
+    )  # fmt: skip
+    old_names = {c.filename for c in old.index.chunks}
+    assert old_names.isdisjoint(c.filename for c in new.index.chunks)  # new names per job
+    assert sorted(listing(objstore, bucket, "ds")) == sorted(
+        ["index.json"] + [c.filename for c in new.index.chunks]
+    )
+    got = read_all(url, tmp_path / "c2", so)
+    assert [(x["name"], int(x["i"])) for x in got] == [("b", i) for i in range(30)]
+
+
+def test_append_adds_after_and_changes_identity(tmp_path):
+    out = str(tmp_path / "out")
+    first = optimize(helpers.tag, [("a", i) for i in range(10)], out, num_workers=0, settings=QUIET)
+    second = optimize(
+        helpers.tag, [("b", i) for i in range(5)], out, num_workers=0, mode="append", settings=QUIET
+    )
+    assert second.index.checksum != first.index.checksum
+    assert second.index.chunks[: len(first.index.chunks)] == first.index.chunks
+    got = [(x["name"], int(x["i"])) for x in read_all(out, tmp_path / "c")]
+    assert got == [("a", i) for i in range(10)] + [("b", i) for i in range(5)]
+
+
+def test_fn_raising_names_the_input_and_cleans_up(objstore, bucket):
+    url = f"s3://{bucket}/ds"
+    with pytest.raises(InputFailedError, match=r"input #7 \(7\): ValueError: cannot decode"):
+        optimize(helpers.bad_on_7, list(range(20)), url, num_workers=1, chunk_bytes="256B",
+                 storage_options=objstore.storage_options, settings=QUIET)  # fmt: skip
+    assert listing(objstore, bucket, "ds") == []  # chunks, shard indexes, plan, lease: gone
+
+
+def test_on_error_skip_counts_and_drops_every_item_of_the_input(tmp_path):
+    out = str(tmp_path / "out")
+    res = optimize(helpers.bad_midway, list(range(10)), out, num_workers=0, on_error="skip",
+                   chunk_bytes="256B", settings=QUIET)  # fmt: skip
+    assert res.skipped == 1 and "input #5" in res.errors[0] and "broken halfway" in res.errors[0]
+    got = [int(x["i"]) for x in read_all(out, tmp_path / "c")]
+    assert got == [i for i in range(10) if i != 5 for _ in range(2)]
+
+
+def test_unpicklable_fn_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="module level"):
+        optimize(lambda x: x, [1, 2], str(out), num_workers=1, settings=QUIET)
+    assert not out.exists()
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="mode"):
+        optimize(helpers.items, [1], str(tmp_path), mode="replace", settings=QUIET)
+    with pytest.raises(ConfigError, match="on_error"):
+        optimize(helpers.items, [1], str(tmp_path), on_error="ignore", settings=QUIET)
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        optimize(helpers.items, [1], str(tmp_path), chunk_bytes="lots", settings=QUIET)
+
+
+# 100k tiny items whose inputs arrive shuffled: index.json stays O(chunks).
+INDEX_LIMIT = 16 << 10  # bytes; one key run per chunk would be ~31 bytes x 100k = 3 MB
+
+
+def test_index_stays_compact_for_100k_shuffled_items(tmp_path):
+    inputs = list(range(100_000))
+    random.Random(0).shuffle(inputs)
+    out = str(tmp_path / "out")
+    res = optimize(helpers.small, inputs, out, num_workers=0, chunk_bytes="1MB", settings=QUIET)
+    size = os.path.getsize(os.path.join(out, "index.json"))
+    assert res.index.total_items == 100_000
+    assert size < INDEX_LIMIT, size
+    assert sum(len(c.keys) for c in res.index.chunks) == len(res.index.chunks)
+    doc = json.load(open(os.path.join(out, "index.json")))
+    assert doc["total_items"] == 100_000
