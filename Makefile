@@ -15,7 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed
+# Test-time servers from the npm registry (Azurite, the Azure Blob emulator), pinned by
+# package-lock.json and installed under the project; node 20 and npm must be on PATH.
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --ignore-scripts
+	touch $@
+
+install: $(VENV)/.installed node_modules/.installed
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -34,4 +40,4 @@ bench: install
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info node_modules

@@ -6,15 +6,20 @@ so every backend maps them the same way:
 ===========================================  ==========================================
 cause                                         raised
 ===========================================  ==========================================
-404, ``NoSuchKey``, ``NoSuchBucket``          :class:`ObjectNotFoundError`
-401, 403                                      :class:`AuthError` (names the credential
+404, ``NoSuchKey``, ``BlobNotFound``...       :class:`ObjectNotFoundError`
+401, 403, ``AuthenticationFailed``...         :class:`AuthError` (names the credential
                                               source, never the secret)
-429 (``retry_after`` from Retry-After), 5xx   :class:`TransientError`
+408, 429, 5xx, ``SlowDown``, ``ServerBusy``   :class:`TransientError`; ``retry_after``
+                                              from ``Retry-After``, ``retry-after-ms`` or
+                                              ``x-ms-retry-after-ms``
 reset, refused, payload error, short body     :class:`TransientError`
 timeout                                       :class:`StorageTimeoutError`
 TLS certificate rejected                      :class:`StorageError` (not retried)
 any other status                              :class:`StorageError`
 ===========================================  ==========================================
+
+The error code comes from an XML ``<Code>`` in the body (S3, Azure) or, for bodiless
+answers such as HEAD, from Azure's ``x-ms-error-code`` header.
 """
 
 from __future__ import annotations
@@ -38,14 +43,44 @@ from ..errors import (
 
 __all__ = ["error_code", "map_client_errors", "parse_retry_after", "status_error"]
 
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound"})
+_NOT_FOUND_CODES = frozenset(
+    {
+        "NoSuchKey",
+        "NoSuchBucket",
+        "NoSuchUpload",
+        "NotFound",
+        "BlobNotFound",
+        "ContainerNotFound",
+        "ResourceNotFound",
+    }
+)
 _AUTH_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "AuthenticationFailed",
+        "AuthorizationFailure",
+        "AuthorizationPermissionMismatch",
+        "NoAuthenticationInformation",
+        "InvalidAuthenticationInfo",
+    }
 )
 _REGION_CODES = frozenset(
     {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 )
-_TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestTimeout",
+        "ServerBusy",
+        "OperationTimedOut",
+    }
+)
 
 
 def error_code(body: bytes) -> str | None:
@@ -88,18 +123,30 @@ def status_error(
     credential_source: str | None = None,
 ) -> StorageError:
     """The storage error for an unexpected HTTP ``status`` on ``url``."""
-    code = error_code(body)
+    code = error_code(body) or (headers or {}).get("x-ms-error-code")
     what = f"{method} {url} -> HTTP {status}" + (f" {code}" if code else "")
     if status == 404 or code in _NOT_FOUND_CODES:
         return ObjectNotFoundError(f"not found: {what}", url=url)
     if status in (401, 403) or code in _AUTH_CODES:
         source = f" (credentials from {credential_source})" if credential_source else ""
         return AuthError(f"access denied: {what}{source}", url=url)
-    if status == 429 or status >= 500 or code in _TRANSIENT_CODES:
-        retry_after = parse_retry_after((headers or {}).get("Retry-After"))
+    if status in (408, 429) or status >= 500 or code in _TRANSIENT_CODES:
+        retry_after = _retry_after(headers or {})
         return TransientError(f"server busy or failing: {what}", url=url, retry_after=retry_after)
     hint = " (is region_name right for this bucket?)" if code in _REGION_CODES else ""
     return StorageError(f"unexpected response: {what}{hint}", url=url)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """The server's requested delay: ``Retry-After``, or Azure's millisecond headers."""
+    for name in ("x-ms-retry-after-ms", "retry-after-ms"):
+        value = headers.get(name)
+        if value:
+            try:
+                return max(0.0, float(value) / 1000.0)
+            except ValueError:
+                pass
+    return parse_retry_after(headers.get("Retry-After"))
 
 
 @asynccontextmanager

@@ -21,7 +21,7 @@ from .http import HttpStorage
 from .local import LocalStorage
 from .transport import header_option, verify_tls
 
-__all__ = ["GCS_OPTION_KEYS", "S3_OPTION_KEYS", "open_storage"]
+__all__ = ["AZURE_OPTION_KEYS", "GCS_OPTION_KEYS", "S3_OPTION_KEYS", "open_storage"]
 
 #: storage_options keys understood by the S3 backend.
 S3_OPTION_KEYS = frozenset(
@@ -42,6 +42,22 @@ S3_OPTION_KEYS = frozenset(
 _HTTP_OPTION_KEYS = frozenset({"verify", "headers"})
 #: storage_options keys understood by the GCS backend.
 GCS_OPTION_KEYS = frozenset({"endpoint_url", "token", "key_file", "anon", "verify"})
+#: storage_options keys understood by the Azure backend.
+AZURE_OPTION_KEYS = frozenset(
+    {
+        "connection_string",
+        "account_name",
+        "account_key",
+        "sas_token",
+        "credential",
+        "anon",
+        "endpoint_url",
+        "verify",
+        "multipart_threshold",
+        "part_size",
+    }
+)
+_AZ_CONTAINER_RE = re.compile(r"^(\$root|[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62})$")
 _GCS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 
@@ -89,9 +105,11 @@ def open_storage(
         return _open_s3(url, parts.netloc, parts.path, settings, options, aws_env or {})
     if scheme in ("gs", "gcs"):
         return _open_gcs(url, parts.netloc, parts.path, settings, options, aws_env or {})
+    if scheme in ("az", "abfs", "abfss"):
+        return _open_azure(url, parts.netloc, parts.path, settings, options, aws_env or {})
     raise ConfigError(
         f"unsupported storage URL {_redact(url)!r}: scheme {scheme!r} is not "
-        "one of file, http, https, s3, gs"
+        "one of file, http, https, s3, gs, az, abfs, abfss"
     )
 
 
@@ -200,6 +218,58 @@ def _open_gcs(
         auth=GcsAuth(options, emulator=bool(endpoint)),
         settings=settings,
         verify=verify_tls(settings, options),
+    )
+
+
+def _open_azure(
+    url: str,
+    netloc: str,
+    path: str,
+    settings: Settings,
+    options: Mapping[str, Any],
+    env: Mapping[str, str],
+) -> Storage:
+    _check_options(options, AZURE_OPTION_KEYS, url)
+    try:  # the SDK (signing, connection strings) comes with the optional "azure" extra
+        import azure.storage.blob  # noqa: F401
+
+        from . import azure_auth
+        from .azure import AzureStorage
+    except ImportError as exc:
+        raise ConfigError(
+            f"{url}: az:// needs azure-storage-blob and azure-identity; install them with "
+            "pip install 'asynccache[azure]'"
+        ) from exc
+    container, _, host = netloc.partition("@")
+    account_hint = host.split(".", 1)[0] if host else None
+    if not _AZ_CONTAINER_RE.match(container) or (host and not account_hint):
+        raise ConfigError(
+            f"malformed Azure URL {url!r}: expected az://container[/prefix] or "
+            "abfs://container@account.dfs.core.windows.net[/prefix]"
+        )
+    prefix = _prefix(url, path)
+    auth, conn_endpoint = azure_auth.resolve(options, env, account_hint, url)
+    endpoint = options.get("endpoint_url") or conn_endpoint
+    if endpoint:
+        ep = urlsplit(str(endpoint))
+        if ep.scheme not in ("http", "https") or not ep.hostname:
+            raise ConfigError(
+                f"Azure endpoint {endpoint!r} for {url} must be http(s)://host[:port][/account]"
+            )
+        endpoint = str(endpoint).rstrip("/")
+    else:
+        endpoint = f"https://{auth.account}.blob.core.windows.net"
+    shown = f"{urlsplit(url).scheme.lower()}://{netloc}" + (f"/{prefix}" if prefix else "")
+    return AzureStorage(
+        shown,
+        container=container,
+        prefix=prefix,
+        endpoint=str(endpoint),
+        auth=auth,
+        settings=settings,
+        verify=verify_tls(settings, options),
+        multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
+        part_size=_size_option(options, "part_size", 16 << 20, url),
     )
 
 

@@ -263,7 +263,7 @@ class FaultProxy:
                 RequestRecord(
                     request.method,
                     request.path,
-                    request.headers.get("Range"),
+                    request.headers.get("Range") or request.headers.get("x-ms-range"),
                     fault.kind if fault else None,
                 )
             )

@@ -1,6 +1,8 @@
 """Emulator fixtures for the cloud backends: each server starts once per run, stopped by PID.
 
 * ``gcs_emulator`` (session): fake-gcs-server; ``gcs_bucket`` (function): a fresh bucket.
+* ``azurite`` (session): Azurite's blob service; ``az_container`` (function): a fresh
+  container.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from asynccache.testing.azurite import Azurite
 from asynccache.testing.gcs_emulator import GcsEmulator
 
 
@@ -30,3 +33,21 @@ def gcs_bucket(gcs_emulator: GcsEmulator) -> Iterator[str]:
     yield name
     with contextlib.suppress(Exception):
         gcs_emulator.delete_bucket(name)
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    """One Azurite blob service for the whole run."""
+    with Azurite() as server:
+        assert isinstance(server, Azurite)
+        yield server
+
+
+@pytest.fixture
+def az_container(azurite: Azurite) -> Iterator[str]:
+    """A fresh container, deleted (with its blobs) after the test."""
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    azurite.create_container(name)
+    yield name
+    with contextlib.suppress(Exception):
+        azurite.delete_container(name)

@@ -27,7 +27,7 @@ def _root(request: pytest.FixtureRequest, kind: str) -> tuple[str, dict[str, Any
     return f"az://{request.getfixturevalue('az_container')}/ds", azurite.storage_options
 
 
-@pytest.mark.parametrize("kind", ["gs"])
+@pytest.mark.parametrize("kind", ["gs", "az"])
 def test_upload_prefetch_stream(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> None:
     url, options = _root(request, kind)
     src = write_dataset(tmp_path / "src", N, chunk_size=6)

@@ -59,7 +59,7 @@ def _cloud(request: pytest.FixtureRequest, kind: str) -> tuple[str, str, dict[st
         return f"gs://{bucket}/ds", emulator.endpoint_url, dict(emulator.storage_options)
     azurite = request.getfixturevalue("azurite")
     container = request.getfixturevalue("az_container")
-    return f"az://{container}/ds", azurite.endpoint_url, dict(azurite.storage_options)
+    return f"az://{container}/ds", f"http://127.0.0.1:{azurite.port}", dict(azurite.storage_options)
 
 
 def _with_endpoint(kind: str, options: dict[str, Any], endpoint: str) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def _with_endpoint(kind: str, options: dict[str, Any], endpoint: str) -> dict[st
     )
 
 
-@pytest.fixture(params=["gs"])
+@pytest.fixture(params=["gs", "az"])
 def seeded(request: pytest.FixtureRequest, tmp_path: Path, lt: LoopThread):
     kind = request.param
     url, endpoint, options = _cloud(request, kind)

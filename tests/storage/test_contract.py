@@ -1,7 +1,8 @@
-"""One conformance suite that every storage backend runs (file, http, s3, gs).
+"""One conformance suite that every storage backend runs (file, http, s3, gs, az).
 
 Each backend is served by a real server on loopback (SeaweedFS for s3, fake-gcs-server
-for gs, aiohttp.web for http) and seeded with the same objects before each test.
+for gs, Azurite for az, aiohttp.web for http) and seeded with the same objects before
+each test.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-@pytest.fixture(params=["file", "http", "s3", "gs"])
+@pytest.fixture(params=["file", "http", "s3", "gs", "az"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     settings = Settings(timeout_s=10.0)
     kind = request.param
@@ -62,10 +63,14 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         server = request.getfixturevalue("http_origin")(tmp_path / "site")
         storage = open_storage(server.url + "/", settings)
         yield Backend(kind, storage, writable=False, listable=False)
-    elif kind == "gs":
-        emulator = request.getfixturevalue("gcs_emulator")
-        bucket = request.getfixturevalue("gcs_bucket")
-        storage = open_storage(f"gs://{bucket}/ds", settings, emulator.storage_options)
+    elif kind in ("gs", "az"):
+        if kind == "gs":
+            emulator = request.getfixturevalue("gcs_emulator")
+            root = f"gs://{request.getfixturevalue('gcs_bucket')}/ds"
+        else:
+            emulator = request.getfixturevalue("azurite")
+            root = f"az://{request.getfixturevalue('az_container')}/ds"
+        storage = open_storage(root, settings, emulator.storage_options)
         _write_tree(tmp_path / "seed", SEED)
         for key in SEED:
             await storage.upload(tmp_path / "seed" / key, key)
@@ -158,7 +163,7 @@ async def test_list(backend: Backend) -> None:
 
 
 async def test_list_paginates(backend: Backend) -> None:
-    if backend.name not in ("s3", "gs"):
+    if backend.name not in ("s3", "gs", "az"):
         pytest.skip("pagination is an object-store notion")
     storage = backend.storage
     storage.list_page_size = 1  # type: ignore[attr-defined]
