@@ -19,7 +19,8 @@ any other status                              :class:`StorageError`
 ===========================================  ==========================================
 
 The error code comes from an XML ``<Code>`` in the body (S3, Azure) or, for bodiless
-answers such as HEAD, from Azure's ``x-ms-error-code`` header.
+answers such as HEAD, from Azure's ``x-ms-error-code`` or the Hub's ``X-Error-Code``
+header.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _NOT_FOUND_CODES = frozenset(
         "BlobNotFound",
         "ContainerNotFound",
         "ResourceNotFound",
+        "EntryNotFound",
+        "RevisionNotFound",
     }
 )
 _AUTH_CODES = frozenset(
@@ -66,6 +69,7 @@ _AUTH_CODES = frozenset(
         "AuthorizationPermissionMismatch",
         "NoAuthenticationInformation",
         "InvalidAuthenticationInfo",
+        "GatedRepo",
     }
 )
 _REGION_CODES = frozenset(
@@ -123,7 +127,8 @@ def status_error(
     credential_source: str | None = None,
 ) -> StorageError:
     """The storage error for an unexpected HTTP ``status`` on ``url``."""
-    code = error_code(body) or (headers or {}).get("x-ms-error-code")
+    hdrs = headers or {}
+    code = error_code(body) or hdrs.get("x-ms-error-code") or hdrs.get("X-Error-Code")
     what = f"{method} {url} -> HTTP {status}" + (f" {code}" if code else "")
     if status == 404 or code in _NOT_FOUND_CODES:
         return ObjectNotFoundError(f"not found: {what}", url=url)

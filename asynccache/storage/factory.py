@@ -21,7 +21,13 @@ from .http import HttpStorage
 from .local import LocalStorage
 from .transport import header_option, verify_tls
 
-__all__ = ["AZURE_OPTION_KEYS", "GCS_OPTION_KEYS", "S3_OPTION_KEYS", "open_storage"]
+__all__ = [
+    "AZURE_OPTION_KEYS",
+    "GCS_OPTION_KEYS",
+    "HF_OPTION_KEYS",
+    "S3_OPTION_KEYS",
+    "open_storage",
+]
 
 #: storage_options keys understood by the S3 backend.
 S3_OPTION_KEYS = frozenset(
@@ -58,6 +64,9 @@ AZURE_OPTION_KEYS = frozenset(
     }
 )
 _AZ_CONTAINER_RE = re.compile(r"^(\$root|[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62})$")
+#: storage_options keys understood by the Hugging Face backend.
+HF_OPTION_KEYS = frozenset({"token", "endpoint_url", "verify"})
+_HF_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,95}$")
 _GCS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 
@@ -107,9 +116,11 @@ def open_storage(
         return _open_gcs(url, parts.netloc, parts.path, settings, options, aws_env or {})
     if scheme in ("az", "abfs", "abfss"):
         return _open_azure(url, parts.netloc, parts.path, settings, options, aws_env or {})
+    if scheme == "hf":
+        return _open_hf(url, parts.netloc, parts.path, settings, options, aws_env or {})
     raise ConfigError(
         f"unsupported storage URL {_redact(url)!r}: scheme {scheme!r} is not "
-        "one of file, http, https, s3, gs, az, abfs, abfss"
+        "one of file, http, https, s3, gs, az, abfs, abfss, hf"
     )
 
 
@@ -270,6 +281,61 @@ def _open_azure(
         verify=verify_tls(settings, options),
         multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
         part_size=_size_option(options, "part_size", 16 << 20, url),
+    )
+
+
+def _open_hf(
+    url: str,
+    kind: str,
+    path: str,
+    settings: Settings,
+    options: Mapping[str, Any],
+    env: Mapping[str, str],
+) -> Storage:
+    _check_options(options, HF_OPTION_KEYS, url)
+    try:  # resolve URLs as huggingface_hub does: the optional "hf" extra
+        from .hf import HF_ENDPOINT, HfStorage
+    except ImportError as exc:
+        raise ConfigError(
+            f"{url}: hf:// needs huggingface_hub; install it with pip install 'asynccache[hf]'"
+        ) from exc
+    segments = path.strip("/").split("/") if path.strip("/") else []
+    if kind != "datasets" or len(segments) < 2:
+        raise ConfigError(
+            f"malformed Hugging Face URL {url!r}: expected hf://datasets/org/name[@revision][/path]"
+        )
+    org, name_rev, rest = segments[0], segments[1], segments[2:]
+    name, at, revision = name_rev.partition("@")
+    revision = unquote(revision) if at else "main"
+    if not _HF_NAME_RE.match(org) or not _HF_NAME_RE.match(name) or not revision.strip():
+        raise ConfigError(f"malformed Hugging Face URL {url!r}: bad repository or revision")
+    prefix = _prefix(url, "/".join(rest))
+    endpoint = options.get("endpoint_url") or env.get("HF_ENDPOINT") or HF_ENDPOINT
+    ep = urlsplit(str(endpoint))
+    if ep.scheme not in ("http", "https") or not ep.hostname:
+        raise ConfigError(f"Hub endpoint {endpoint!r} for {url} must be http(s)://host[:port]")
+    token = options.get("token")
+    source: str | None = None
+    if token is False:
+        token = None
+    elif token is not None:
+        if not isinstance(token, str) or not token:
+            raise ConfigError(f"storage option 'token' for {url} must be a non-empty str or False")
+        source = "storage_options token"
+    elif env.get("HF_TOKEN"):
+        token, source = env["HF_TOKEN"], "HF_TOKEN"
+    shown = f"hf://datasets/{org}/{name_rev}" + (f"/{prefix}" if prefix else "")
+    return HfStorage(
+        shown,
+        repo_id=f"{org}/{name}",
+        revision=revision,
+        prefix=prefix,
+        endpoint=str(endpoint).rstrip("/"),
+        token=token,
+        token_source=source,
+        token_lookup=options.get("token") is None and not env.get("HF_TOKEN"),
+        settings=settings,
+        verify=verify_tls(settings, options),
     )
 
 

@@ -3,6 +3,7 @@
 * ``gcs_emulator`` (session): fake-gcs-server; ``gcs_bucket`` (function): a fresh bucket.
 * ``azurite`` (session): Azurite's blob service; ``az_container`` (function): a fresh
   container.
+* ``hub`` (function): the Hugging Face Hub's resolve and tree endpoints plus a CDN.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from asynccache.testing.azurite import Azurite
 from asynccache.testing.gcs_emulator import GcsEmulator
+from asynccache.testing.hubserver import HubServer
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +53,10 @@ def az_container(azurite: Azurite) -> Iterator[str]:
     yield name
     with contextlib.suppress(Exception):
         azurite.delete_container(name)
+
+
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    """A Hugging Face Hub imitation (Hub plus CDN, two origins) on loopback."""
+    with HubServer(page_size=2) as server:
+        yield server

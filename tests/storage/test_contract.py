@@ -1,8 +1,8 @@
-"""One conformance suite that every storage backend runs (file, http, s3, gs, az).
+"""One conformance suite that every storage backend runs (file, http, s3, gs, az, hf).
 
 Each backend is served by a real server on loopback (SeaweedFS for s3, fake-gcs-server
-for gs, Azurite for az, aiohttp.web for http) and seeded with the same objects before
-each test.
+for gs, Azurite for az, aiohttp.web for http, an aiohttp.web Hub imitation for hf) and
+seeded with the same objects before each test.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-@pytest.fixture(params=["file", "http", "s3", "gs", "az"])
+@pytest.fixture(params=["file", "http", "s3", "gs", "az", "hf"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     settings = Settings(timeout_s=10.0)
     kind = request.param
@@ -63,6 +63,11 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         server = request.getfixturevalue("http_origin")(tmp_path / "site")
         storage = open_storage(server.url + "/", settings)
         yield Backend(kind, storage, writable=False, listable=False)
+    elif kind == "hf":
+        hub = request.getfixturevalue("hub")
+        hub.commit("org/data", {f"ds/{k}": v for k, v in SEED.items()} | {"other.bin": b"x"})
+        storage = open_storage("hf://datasets/org/data/ds", settings, {"endpoint_url": hub.url})
+        yield Backend(kind, storage, writable=False, listable=True)
     elif kind in ("gs", "az"):
         if kind == "gs":
             emulator = request.getfixturevalue("gcs_emulator")
