@@ -26,7 +26,13 @@ tag      node                                          leaf value
 ``l``    ``["l", [node...]]``                         list
 ``u``    ``["u", [node...]]``                         tuple
 ``d``    ``["d", [key node...], [value node...]]``    dict (key types kept)
+``o``    ``["o", class, [field...], [node...]]``      namedtuple
+``c``    ``["c", class, [field...], [node...]]``      dataclass instance
 =======  ===========================================  ==========================
+
+``class`` is ``"module:qualname"``. On read the class is looked up among the modules the
+reading process has already imported (reading never imports a module named by the data)
+and must still be a namedtuple / dataclass with the same fields.
 
 Buffers are aligned so numpy and torch leaves are views into the chunk's mapping
 (zero-copy). This module is pure: bytes in, objects out.
@@ -34,6 +40,7 @@ Buffers are aligned so numpy and torch leaves are views into the chunk's mapping
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import pickle
@@ -122,6 +129,20 @@ class _Encoder:
             return self.image(obj)
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return ["u", [self.node(x) for x in obj]]
+        if isinstance(obj, tuple):
+            names: list[str] = list(obj._fields)  # type: ignore[attr-defined]
+            return self.record("o", obj, names, list(obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            fields = dataclasses.fields(obj)
+            for f in fields:
+                if not f.init:
+                    raise SerializationError(
+                        f"cannot store {_class_name(type(obj))}: field {f.name!r} is init=False, "
+                        "so the dataclass can't be rebuilt on read; make it an init field "
+                        "or store a dict"
+                    )
+            names = [f.name for f in fields]
+            return self.record("c", obj, names, [getattr(obj, n) for n in names])
         if isinstance(obj, list):
             return ["l", [self.node(x) for x in obj]]
         if isinstance(obj, dict):
@@ -132,6 +153,24 @@ class _Encoder:
             f"cannot store a leaf of type {type(obj).__module__}.{type(obj).__qualname__}; "
             "convert it to a supported type or pass allow_pickle=True"
         )
+
+    def record(self, tag: str, obj: Any, names: list[str], values: list[Any]) -> list[Any]:
+        """A namedtuple or dataclass: its class, field names and field values."""
+        cls = type(obj)
+        name = _class_name(cls)
+        if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
+            raise SerializationError(
+                f"cannot store {name}: a class defined inside a function or in __main__ "
+                "can't be found by the process that reads the item; define it at the top "
+                "level of an importable module"
+            )
+        nodes = []
+        for field, value in zip(names, values, strict=True):
+            try:
+                nodes.append(self.node(value))
+            except SerializationError as exc:
+                raise SerializationError(f"field {field!r} of {name}: {exc}") from exc
+        return [tag, f"{cls.__module__}:{cls.__qualname__}", names, nodes]
 
     def ndarray(self, arr: np.ndarray) -> list[Any]:
         if arr.dtype.hasobject or arr.dtype.fields is not None:
@@ -158,6 +197,10 @@ class _Encoder:
         else:
             img.save(out, format=codec)
         return ["p", img.mode, list(img.size), codec, self.buf(out.getbuffer())]
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # Tags whose value msgpack already decoded; the conversion only guards the type.
@@ -294,6 +337,8 @@ class _Decoder:
             return [self.node(x) for x in n[1]]
         if tag == "u":
             return tuple(self.node(x) for x in n[1])
+        if tag in ("o", "c"):
+            return self.record(tag, n[1], n[2], n[3])
         if tag == "k":
             if not self.allow_pickle:
                 raise DataError(
@@ -303,6 +348,44 @@ class _Decoder:
             buf, off, size = self.raw(n[1])
             return pickle.loads(memoryview(buf)[off : off + size])
         raise DataError(f"{self.where}: unknown leaf tag {tag!r}")
+
+    def record(self, tag: str, name: str, fields: list[str], nodes: list[Any]) -> Any:
+        """Rebuild a namedtuple (``o``) or dataclass (``c``) of class ``name``."""
+        module, _, qualname = name.partition(":")
+        what = "namedtuple" if tag == "o" else "dataclass"
+        mod = sys.modules.get(module)
+        if mod is None:
+            raise DataError(
+                f"{self.where}: the item holds a {what} {qualname} from module {module}, which "
+                f"this process has not imported; import {module} before reading"
+            )
+        cls: Any = mod
+        for part in qualname.split("."):
+            cls = getattr(cls, part, None)
+        if tag == "o":
+            have = list(getattr(cls, "_fields", ())) if isinstance(cls, type) else None
+            ok = have is not None and issubclass(cls, tuple)
+        else:
+            ok = isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            have = [f.name for f in dataclasses.fields(cls) if f.init] if ok else None
+        if not ok:
+            raise DataError(
+                f"{self.where}: the item holds a {what} {module}.{qualname}, which is not a "
+                f"{what} in this process"
+            )
+        if have != fields:
+            missing = [f for f in fields if f not in (have or [])]
+            extra = [f for f in (have or []) if f not in fields]
+            field = (missing or extra or fields)[0]
+            raise DataError(
+                f"{self.where}: can't rebuild {module}.{qualname}: field {field!r} "
+                f"{'is no longer in the class' if missing else 'was not stored'} "
+                f"(stored fields {fields}, the class has {have})"
+            )
+        values = [self.node(x) for x in nodes]
+        if tag == "o":
+            return cls(*values)
+        return cls(**dict(zip(fields, values, strict=True)))
 
     def raw(self, idx: int) -> tuple[Any, int, int]:
         """``(buffer, offset, size)`` of raw buffer ``idx``: the chunk itself, or a

@@ -23,7 +23,11 @@ class CacheNotFilledError(AsyncCacheError, LookupError):
 class Cache:
     """A dataset stored as ``chunk-{writer}-{n}.bin`` files plus ``index.json``.
 
-    Writing: ``cache[i] = item`` in any order; each process (and each DataLoader worker)
+    Writing: ``cache.write(item)`` numbers items itself (0, 1, 2, ... in call order) and
+    returns the key; ``cache[i] = item`` chooses the key, in any order. Items are nested
+    dicts, lists, tuples, namedtuples and dataclasses of tensors, arrays, numbers,
+    strings, bytes and images; namedtuples and dataclasses come back as the same types
+    (see docs/format.md). Each process (and each DataLoader worker)
     writes its own chunk files. ``CacheDataLoader`` finishes the writers and merges
     their indexes at the end of the first epoch; used alone, call :meth:`done`.
     ``filled`` is true once a complete ``index.json`` exists.
@@ -95,6 +99,7 @@ class Cache:
         self._token: str | None = None
         self._accept = True
         self._lock: WriteLock | None = None  # held by a standalone write, until done()
+        self._next_key = 0  # the key write() gives next: after every key written so far
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -169,6 +174,19 @@ class Cache:
             self._start_standalone()
         assert self._writer is not None
         self._writer.add(key, item)
+        self._next_key = max(self._next_key, int(key) + 1)
+
+    def write(self, item: Any) -> int:
+        """Write ``item`` under the next key (0 for the first, then one after the highest
+        key written by this process so far) and return that key. Finish with :meth:`done`.
+
+        Raises:
+            SerializationError: ``item`` holds a leaf that can't be stored (the message
+                names the field of a namedtuple or dataclass it sits in).
+        """
+        key = self._next_key
+        self[key] = item
+        return key
 
     def _start_standalone(self) -> None:
         """Begin a write not driven by ``CacheDataLoader``: lock, refuse filled, clean up."""

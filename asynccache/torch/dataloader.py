@@ -260,6 +260,9 @@ class CacheDataLoader(DataLoader[Any]):
         # The epoch started by the latest iter(); None: none since construction,
         # set_epoch() or load_state_dict(). Its `received` is what state_dict reports.
         self._it: _Epoch | None = None
+        # Batches of the running streamed epoch received before its loaded state: the
+        # state's count is of the whole epoch, the dataset's position of the part.
+        self._part_base = 0
         self._resume: dict[str, Any] | None = None  # a loaded position, for the next iter()
         self._loaded: dict[str, Any] | None = None  # the state it came from, as loaded
         self._check_matches()
@@ -315,14 +318,23 @@ class CacheDataLoader(DataLoader[Any]):
         self._it = None
 
     def __len__(self) -> int:
+        """Batches of the epoch the loader runs (or the next ``iter()`` runs), whole: for a
+        resumed epoch, those received before the state plus the rest. (Lightning counts
+        a resumed epoch's batches from the checkpoint's batch index up to this.)"""
         r = self._resume
         if r is not None and r.get("writing") and not r.get("complete"):
-            # The rest of a map-order epoch (counted only for a map-style source).
+            # A map-order epoch (counted only for a map-style source).
             world = distributed.current()
             n = r.get("items")
             if n is not None:
-                total = map_batch_count(n, world.world_size, self._bs, self.drop_last)
-                return max(0, total - int(r["batches"]))
+                return map_batch_count(n, world.world_size, self._bs, self.drop_last)
+        before = 0
+        loaded = self._loaded
+        if r is not None and loaded is not None and not r.get("writing"):
+            if int(loaded["epoch"]) == int(r["epoch"]):  # else the loaded epoch was over
+                before = int(loaded["batches"])
+        elif r is None and self._it is not None and not self._it.map_order:
+            before = self._part_base
         if self._owned or self._must_write():
             world = distributed.current()
             n = (
@@ -336,8 +348,8 @@ class CacheDataLoader(DataLoader[Any]):
             ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
             per_rank = len(ds)
         if self.drop_last:
-            return per_rank // self._bs
-        return -(-per_rank // self._bs)
+            return before + per_rank // self._bs
+        return before + -(-per_rank // self._bs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Start the next epoch (or the loaded position) and return its batches.
@@ -345,7 +357,8 @@ class CacheDataLoader(DataLoader[Any]):
         Everything a checkpoint depends on is set up here, not at the first batch: a
         state taken between ``iter()`` and the first batch is the start of this epoch.
         """
-        resume, self._resume, self._loaded = self._resume, None, None
+        resume, loaded = self._resume, self._loaded
+        self._resume = self._loaded = None
         if self._it is not None:  # a superseded epoch counts nothing any more
             self._it.close()
         epoch = int(resume["epoch"]) if resume else self._epoch
@@ -368,11 +381,17 @@ class CacheDataLoader(DataLoader[Any]):
             return self._begin(epoch, False, 0).run(self._owned_epoch(epoch))
         if self._writing:
             return self._begin(epoch, True, 0).run(self._write_epoch(epoch, 0))
-        return self._begin(epoch, False, 0).run(self._stream_epoch(epoch, resume))
+        base = 0  # batches of this epoch received before the loaded state
+        if resume is not None and loaded is not None and int(loaded["epoch"]) == epoch:
+            base = int(loaded["batches"])
+        it = self._begin(epoch, False, base)
+        self._part_base = base
+        return it.run(self._stream_epoch(epoch, resume))
 
     def _begin(self, epoch: int, map_order: bool, received: int) -> _Epoch:
         self._epoch = epoch + 1
         self._current = epoch
+        self._part_base = 0
         self._it = _Epoch(epoch, map_order, received)
         return self._it
 
@@ -552,11 +571,11 @@ class CacheDataLoader(DataLoader[Any]):
             if self._must_write():
                 return self._map_state(self._epoch, 0)
             self._streaming().set_epoch(self._epoch)
-            return self._stream_state(self._epoch, 0)
+            return self._stream_state(self._epoch, 0, 0)
         epoch, map_order, received = it.epoch, it.map_order, it.received
         if map_order:
             return self._map_state(epoch, received)
-        return self._stream_state(epoch, received)
+        return self._stream_state(epoch, received, self._part_base)
 
     def _base_state(self, epoch: int, batches: int, writing: bool) -> dict[str, Any]:
         return {
@@ -595,12 +614,12 @@ class CacheDataLoader(DataLoader[Any]):
         )
         return state
 
-    def _stream_state(self, epoch: int, batches: int) -> dict[str, Any]:
+    def _stream_state(self, epoch: int, batches: int, base: int) -> dict[str, Any]:
         ds = self._streaming()
         nw = max(1, self.num_workers)
         ds.batch_size, ds.num_workers = self._bs, nw
         left = len(ds)  # what this rank had still to receive when the epoch (part) began
-        received = min(batches * self._bs, left)
+        received = min((batches - base) * self._bs, left)
         if self.drop_last and left - received < self._bs:
             # The short last batch is dropped, never received: the epoch is over.
             received = left

@@ -349,6 +349,21 @@ class StreamingDataset(IterableDataset[Any]):
         skip = received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received)[logical]
         segments = _drop(p.workers[logical], skip + self._skip)
         order = self._order()
+        self.source.plan_epoch(
+            epoch=pr.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            window=self.shuffle_window,
+            remaining=pr.base(self.num_items),
+            received=pr.received,
+            world=world.world_size,
+            rank=world.rank,
+            num_workers=nw,
+            worker=logical,
+            batch_size=pr.batch_size,
+            drop_last=self.drop_last,
+            skipped=self._skip,
+        )
         self._yielded = 0
         try:
             for seg in segments:
@@ -366,8 +381,9 @@ class StreamingDataset(IterableDataset[Any]):
             self._reader.close()
 
     def _hint(self, order: EpochOrder, segments: Any, seg: Any, a: int, chunks: np.ndarray) -> None:
-        """Tell the downloader which chunks this worker needs next, in order."""
-        if not self.source.remote:
+        """Tell the downloader which chunks this worker needs next, in order (unless the
+        source follows the epoch plan, which knows that already)."""
+        if not self.source.remote or self.source.planned:
             return
         want = max(self.settings.prefetch_chunks, 1) + self.shuffle_window
         seen: dict[int, None] = dict.fromkeys(chunks.tolist())

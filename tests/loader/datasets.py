@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -75,3 +78,16 @@ def key_and_pid(item: dict) -> tuple[int, int]:
     import os
 
     return int(item["i"]), os.getpid()
+
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Sample:
+    """A dataclass item: rebuilt as a Sample on read."""
+
+    image: torch.Tensor
+    label: int
+    meta: dict
+    where: Point
