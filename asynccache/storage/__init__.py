@@ -6,12 +6,31 @@ from .http import HttpStorage
 from .local import LocalStorage
 
 
-def __getattr__(name: str) -> object:
-    if name == "S3Storage":  # imported on demand: it needs the optional botocore
-        from .s3 import S3Storage
+#: Backends imported on demand: each needs its optional extra (s3, gcs, azure, hf).
+_OPTIONAL = {
+    "S3Storage": ".s3",
+    "GcsStorage": ".gcs",
+    "AzureStorage": ".azure",
+    "HfStorage": ".hf",
+}
 
-        return S3Storage
+
+def __getattr__(name: str) -> object:
+    if name in _OPTIONAL:
+        import importlib
+
+        return getattr(importlib.import_module(_OPTIONAL[name], __name__), name)
     raise AttributeError(name)
 
 
-__all__ = ["HttpStorage", "LocalStorage", "ObjectInfo", "S3Storage", "Storage", "open_storage"]
+__all__ = [
+    "AzureStorage",
+    "GcsStorage",
+    "HfStorage",
+    "HttpStorage",
+    "LocalStorage",
+    "ObjectInfo",
+    "S3Storage",
+    "Storage",
+    "open_storage",
+]
