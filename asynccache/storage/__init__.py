@@ -5,7 +5,6 @@ from .factory import open_storage
 from .http import HttpStorage
 from .local import LocalStorage
 
-
 #: Backends imported on demand: each needs its optional extra (s3, gcs, azure, hf).
 _OPTIONAL = {
     "S3Storage": ".s3",
