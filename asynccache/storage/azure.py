@@ -132,8 +132,12 @@ class AzureStorage(Storage):
     ) -> S3Response:
         """Send one signed request, read its (small) body, raise mapped errors."""
         href = self.href(key, query)
+        hdrs = dict(headers or {})
+        if data is not None and not any(k.lower() == "content-type" for k in hdrs):
+            # aiohttp would add one after signing; SharedKey signs Content-Type.
+            hdrs["Content-Type"] = "application/octet-stream"
         async with map_client_errors(what, method):
-            signed = await self._signed(method, href, headers or {})
+            signed = await self._signed(method, href, hdrs)
             session = self._sessions.get()
             async with session.request(
                 method, encoded_url(href), headers=signed, data=data

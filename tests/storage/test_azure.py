@@ -217,3 +217,29 @@ def test_head_error_code_from_header() -> None:
         403, "az://c/k", headers={"x-ms-error-code": "AuthenticationFailed"}, method="HEAD"
     )
     assert isinstance(err, AuthError) and "AuthenticationFailed" in str(err)
+
+
+async def test_block_upload_in_parallel_parts_commits_once(
+    azurite: Azurite, az_container: str, tmp_path: Path
+) -> None:
+    import os
+
+    from asynccache.storage import AzureStorage
+
+    data = os.urandom((1 << 20) + 300_000)
+    (tmp_path / "big.bin").write_bytes(data)
+    storage = open_storage(f"az://{az_container}/ds", Settings(), azurite.storage_options)
+    assert isinstance(storage, AzureStorage)
+    storage.multipart_threshold = 1 << 20
+    storage.part_size = 256 << 10
+    try:
+        assert await storage.upload(tmp_path / "big.bin", "big.bin") == len(data)
+        assert (await storage.head("big.bin")).size == len(data)
+        assert await storage.read("big.bin", 262_000, 263_000) == data[262_000:263_000]
+        listing = await storage.request(
+            "GET", "big.bin", what="blocklist", query={"comp": "blocklist"}
+        )
+    finally:
+        await storage.close()
+    assert listing.body.count(b"<Block>") == 6  # five full blocks and a short last one
+    assert b"<UncommittedBlocks/>" in listing.body or b"<UncommittedBlocks>" not in listing.body

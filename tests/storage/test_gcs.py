@@ -176,3 +176,19 @@ async def test_rejected_token_and_throttling_are_mapped_without_the_token(
     assert busy.value.retry_after == 4.0
     for text in (str(err.value), repr(err.value), repr(storage), caplog.text):
         assert secret not in text
+
+
+def test_emulator_lifecycle_stops_by_pid() -> None:
+    import os
+
+    with GcsEmulator() as server:
+        assert isinstance(server, GcsEmulator)
+        pid = server.pid
+        assert Path(f"/proc/{pid}/stat").read_text().split()[0] == str(pid)
+        server.create_bucket("life")
+        server.create_bucket("life")  # already there: fine
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError):
+        _ = server.pid
+    server.stop()  # idempotent
