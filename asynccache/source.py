@@ -19,7 +19,7 @@ import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import forksafe
@@ -37,6 +37,7 @@ from .errors import (
     TransientError,
 )
 from .format import INDEX_NAME, ChunkEntry, Index
+from .readplan import EpochSpec, PlanCache, ReadPlan, raise_if_below
 from .storage import open_storage
 
 
@@ -106,6 +107,9 @@ class DatasetSource:
         self._mu = threading.Lock()
         self._slot = _Slot()
         self._finalizer = _finalizer(self, self._slot)
+        self._plans: PlanCache | None = None
+        self._follow: ReadPlan | None = None
+        self._follow_pid = 0
         forksafe.register(self)
         self.index = self._read_index()
 
@@ -215,6 +219,7 @@ class DatasetSource:
         conn = self._connect()
         dl = self._downloader_of(conn)
         spec = self.spec(ci)
+        self._advance(conn, dl, ci)
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
             # Bounded by progress: a slow but live download is waited for, a stuck one is
             # not; giving up (or an interrupt) cancels the download nobody else wants.
@@ -237,15 +242,115 @@ class DatasetSource:
             return  # the pin went with its connection (closed, or the parent's)
         name = self.index.chunks[ci].filename
         with self._mu:
+            if conn.released_early[name] > 0:
+                conn.released_early[name] -= 1  # given back already (see _advance)
+                return
             if conn.pinned[name] <= 0:
                 return  # pinned through an earlier connection, released with it
             conn.pinned[name] -= 1
         conn.store.unpin(name)
 
     def hint(self, chunks: Iterable[int]) -> None:
-        """These chunks come next, in this order: download them ahead (remote only)."""
-        if self.remote:
+        """These chunks come next, in this order: download them ahead (remote only).
+
+        Ignored while this process follows an epoch plan (:meth:`plan_epoch`): the plan
+        says what comes next.
+        """
+        if self.remote and not self.planned:
             self.downloader().hint([self.spec(ci) for ci in chunks])
+
+    # -- the epoch plan ------------------------------------------------------------
+    @property
+    def planned(self) -> bool:
+        """This process reads by an epoch plan (see :meth:`plan_epoch`)."""
+        return self._follow is not None and self._follow_pid == os.getpid()
+
+    def plan_epoch(
+        self,
+        *,
+        epoch: int,
+        seed: int,
+        shuffle: bool,
+        window: int,
+        remaining: Sequence[tuple[int, int]],
+        received: int,
+        world: int,
+        rank: int,
+        num_workers: int,
+        worker: int,
+        batch_size: int,
+        drop_last: bool,
+        skipped: int = 0,
+    ) -> None:
+        """This process is reader ``rank * num_workers + worker`` of an epoch read in the
+        sampler's order (see :mod:`asynccache.readplan`); remote datasets only.
+        ``skipped``: positions of its part this reader skips at the start (its own resume).
+
+        From here on the cache evicts and prefetches by the whole node's plan (every rank
+        and worker reading this dataset this way), this reader's hints come from it, and
+        each chunk is unpinned as soon as the reader is done with it.
+
+        Raises:
+            ConfigError: the cache budget is below the plan's minimum (the message says
+                the minimum).
+        """
+        if not self.remote:
+            return
+        spec = EpochSpec(
+            epoch=epoch,
+            seed=seed,
+            shuffle=shuffle,
+            window=window,
+            remaining=remaining,
+            received=received,
+            world=world,
+            rank=rank,
+            num_workers=num_workers,
+            worker=worker,
+            batch_size=batch_size,
+            drop_last=drop_last,
+        )
+        conn = self._connect()
+        dl = self._downloader_of(conn)
+        with self._mu:
+            plans = self._plans
+            if plans is None or not plans.same_way(spec):
+                plans = self._plans = PlanCache(self.index, spec)
+            else:
+                plans.follow(spec)
+            follow = ReadPlan(self.index, spec, plans, str(dl.store.root), skipped)
+            raise_if_below(self.url, dl.store.max_cache_bytes, follow.policy, spec)
+            old, self._follow, self._follow_pid = self._follow, follow, os.getpid()
+            dl.store.policy = follow.policy
+        if old is not None:
+            old.close()
+        want = max(self.settings.prefetch_chunks, 1) + (window if shuffle else 0)
+        dl.hint([self.spec(c) for c in follow.upcoming(want)])
+
+    def _advance(self, conn: Connection, dl: Downloader, ci: int) -> None:
+        """Before chunk ``ci`` is fetched: move this reader on in its plan, give back the
+        pins of chunks it is done with, and hint what it reads next."""
+        if not self.planned:
+            return
+        follow = self._follow
+        assert follow is not None and dl.store is not None
+        done: list[str] = []
+        with self._mu:
+            if not follow.start(ci):
+                return
+            dl.store.policy = follow.policy
+            for name, count in conn.pinned.items():
+                if count > 0 and not follow.reads_now_name(name):
+                    done += [name] * count
+                    conn.released_early[name] += count
+                    conn.pinned[name] = 0
+            want = max(self.settings.prefetch_chunks, 1) + (
+                follow.spec.window if follow.spec.shuffle else 0
+            )
+            upcoming = follow.upcoming(want)
+        for name in done:
+            dl.store.unpin(name)
+        dl.hint([self.spec(c) for c in upcoming])
 
     @property
     def store(self) -> ChunkStore | None:
@@ -269,6 +374,7 @@ class DatasetSource:
         state = self.__dict__.copy()
         for k in ("_mu", "_slot", "_finalizer"):
             del state[k]
+        state["_plans"] = state["_follow"] = None  # this process's; a copy plans anew
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

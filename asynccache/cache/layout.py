@@ -46,6 +46,7 @@ __all__ = [
     "is_dataset_dir",
     "is_temp_name",
     "sweep_orphans",
+    "temp_final_name",
 ]
 
 LOCK_DIR = ".locks"
@@ -81,6 +82,13 @@ def is_chunk_temp_name(name: str) -> bool:
     """True for a :class:`TempFile` name whose final name is a chunk name."""
     m = _TEMP_RE.fullmatch(name)
     return m is not None and is_chunk_name(m["final"])
+
+
+def temp_final_name(name: str) -> str:
+    """The final name of a :class:`TempFile` name (``name`` must be one)."""
+    m = _TEMP_RE.fullmatch(name)
+    assert m is not None, name
+    return m["final"]
 
 
 def is_dataset_dir(path: str | os.PathLike[str]) -> bool:

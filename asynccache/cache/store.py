@@ -16,9 +16,10 @@ from .. import forksafe
 from ..config import Settings
 from ..errors import CacheError, DiskFullError
 from . import usage
-from .eviction import select_victims
+from .eviction import Entry, select_victims
 from .layout import LOCK_DIR, TempFile, dataset_dir, ensure_dataset_dir, sweep_orphans
 from .locks import FileLock, in_thread, open_lock_file, try_lock, wait_lock
+from .plan import Deferred, PlanPolicy
 
 __all__ = ["ChunkStore"]
 
@@ -45,6 +46,12 @@ class ChunkStore:
         * A reservation rescans the cache only when the shared ledger (see :mod:`.usage`)
           is old or says the new bytes may not fit.
         * LRU order is shared across processes through file mtimes, touched on every pin.
+          With a read plan (:attr:`policy`, see :mod:`.plan`) this dataset's chunks go
+          in the plan's order instead, in the places LRU would give them, so the bytes
+          taken from each dataset sharing the cache stay what LRU would take.
+        * A prefetch (``reserve(..., ahead=True)``) under a plan takes room only from the
+          node's prefetch room (:meth:`.plan.PlanPolicy.admits`), else raises
+          :class:`.plan.Deferred`: it never forces out a chunk still to be read.
         * Pins are counted per process in memory; the kernel drops the flocks of a dead
           process, so nothing on disk needs cleaning after a crash.
         * Fork: every descriptor carrying a flock is tracked by :mod:`asynccache.forksafe`;
@@ -80,6 +87,7 @@ class ChunkStore:
         self.evicted = 0
         self._amutex: asyncio.Lock | None = None
         self.durable = durable
+        self.policy: PlanPolicy | None = None
         self._ensure_layout()
         forksafe.register(self)
         swept = sweep_orphans(self.root)
@@ -200,20 +208,24 @@ class ChunkStore:
         return TempFile(self.path(name), size, durable=self.durable, ensure_dir=self._ensure_layout)
 
     # -- eviction ------------------------------------------------------------------------
-    async def reserve(self, name: str, size: int) -> TempFile:
+    async def reserve(self, name: str, size: int, *, ahead: bool = False) -> TempFile:
         """Make room for ``size`` bytes, then create the temporary file that will hold them.
 
         Both happen under the cache-wide eviction lock, so a concurrent reservation in
         another process sees this one's bytes (in the ledger) and evicts for both.
+        ``ahead``: a prefetch nobody waits for yet; under a plan it may be deferred.
 
         Raises:
+            Deferred: ``ahead`` and the node's prefetch room is full now.
             DiskFullError: the filesystem cannot take ``size`` more bytes even after
                 evicting every unpinned chunk (names the directory).
         """
         async with self._evict_mutex():
             fd = await self._lock_evict()
             try:
-                return await in_thread(self._reserve_locked, fd, name, size, undo=TempFile.discard)
+                return await in_thread(
+                    self._reserve_locked, fd, name, size, ahead, undo=TempFile.discard
+                )
             finally:
                 forksafe.close_fd(fd)
 
@@ -238,7 +250,15 @@ class ChunkStore:
             self._ensure_layout()
             return usage.fs_room(self.cache_dir)
 
-    def _reserve_locked(self, fd: int, name: str, size: int) -> TempFile:
+    def _reserve_locked(self, fd: int, name: str, size: int, ahead: bool = False) -> TempFile:
+        policy = self.policy
+        if (
+            ahead
+            and policy is not None
+            and not policy.fits_whole(self.max_cache_bytes)
+            and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
+        ):
+            raise Deferred(name)
         room = self._room()
         ledger = usage.read_ledger(fd)
         now = time.time()
@@ -302,13 +322,27 @@ class ChunkStore:
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
         removed = 0
-        for victim in select_victims(candidates, used=used, budget=budget, incoming=incoming):
+        if self.policy is not None and used + incoming > budget:
+            order = self._plan_order(self.policy, candidates)
+        else:
+            order = select_victims(candidates, used=used, budget=budget, incoming=incoming)
+        for victim in order:
             if used + incoming - removed <= budget:
                 break
             if _remove_if_unlocked(victim.key):
                 removed += victim.size
                 self.evicted += 1
         return used - removed, removed
+
+    def _plan_order(self, policy: PlanPolicy, candidates: list[Entry]) -> list[Entry]:
+        """Every candidate, in eviction order: least recently used first, except that the
+        places this dataset's chunks hold in that order go to them in the plan's order."""
+        lru = sorted(candidates, key=lambda e: (e.last_used, e.key))
+        root = str(self.root)
+        own = {os.path.basename(e.key): e for e in lru if os.path.dirname(e.key) == root}
+        keys = {e.key for e in own.values()}
+        planned = iter(policy.victims(list(own), {n: e.last_used for n, e in own.items()}))
+        return [own[next(planned)] if e.key in keys else e for e in lru]
 
     def _evict_after_unpin(self) -> None:
         """Pins may have kept the cache over budget: trim it now that one is released.

@@ -23,7 +23,7 @@ import os
 import time
 
 from .eviction import Entry
-from .layout import is_chunk_name, is_chunk_temp_name, is_dataset_dir
+from .layout import is_chunk_name, is_chunk_temp_name, is_dataset_dir, temp_final_name
 
 __all__ = [
     "MARGIN_MAX_BYTES",
@@ -33,6 +33,7 @@ __all__ = [
     "fs_free",
     "fs_room",
     "margin",
+    "present",
     "read_ledger",
     "scan",
     "write_ledger",
@@ -52,8 +53,8 @@ def scan(
 
     Looks only in ``own_root`` and in the direct subdirectories of ``cache_dir`` that
     hold the dataset marker; in them only at chunk names (counted and returned as
-    entries) and at our temporary names of chunks (counted by allocated blocks, since
-    they are preallocated). Symlinks are never followed.
+    entries) and at our temporary names of chunks (counted by their size: they are
+    preallocated to the chunk's size). Symlinks are never followed.
 
     Returns:
         ``(used_bytes, entries)``.
@@ -92,8 +93,25 @@ def scan(
                 used += st.st_size
                 entries.append(Entry(f.path, st.st_size, st.st_mtime))
             else:
-                used += max(st.st_blocks * 512, st.st_size)
+                # Preallocated to the chunk's size: counted as the chunk will be once
+                # published, so a full budget holds exactly its chunks' bytes.
+                used += st.st_size
     return used, entries
+
+
+def present(root: str | os.PathLike[str]) -> set[str]:
+    """The chunk names in one dataset directory: published, or being downloaded."""
+    names: set[str] = set()
+    try:
+        with os.scandir(root) as it:
+            for f in it:
+                if is_chunk_name(f.name):
+                    names.add(f.name)
+                elif is_chunk_temp_name(f.name):
+                    names.add(temp_final_name(f.name))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return names
 
 
 def margin(fs_bytes: int) -> int:

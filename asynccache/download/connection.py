@@ -46,6 +46,9 @@ class Connection:
         self.store: ChunkStore | None = None
         self.downloader: Downloader | None = None
         self.pinned: collections.Counter[str] = collections.Counter()
+        # Pins given back before the reader released them (it was done with the chunk by
+        # the plan); the reader's later releases of them are no-ops.
+        self.released_early: collections.Counter[str] = collections.Counter()
         self._lt = loop_thread
         self._mu = threading.Lock()
         self._closed = False

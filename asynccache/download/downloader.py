@@ -18,6 +18,7 @@ import xxhash
 from ..bridge import LoopThread, get_loop_thread
 from ..cache.layout import TempFile
 from ..cache.locks import in_thread
+from ..cache.plan import Deferred
 from ..cache.store import ChunkStore
 from ..config import Settings
 from ..errors import (
@@ -42,6 +43,7 @@ _HASH_BLOCK = 8 << 20
 _WAIT_SLICE_S = 0.5  # how often a waiter looks at its download's progress
 _STALL_SLACK_S = 5.0  # closing a failed response, scheduling: not a stall
 _MIN_VERIFY_BYTES_PER_S = 10e6  # the slowest hash + fsync we wait for before calling it stuck
+_DEFER_RETRY_S = 0.1  # a deferred prefetch is tried again this soon, or at the next read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,10 @@ class Downloader:
         * The prefetch window is the first ``settings.prefetch_chunks`` hinted chunks the
           reader has not asked for yet; hinted downloads that leave the window with no
           caller waiting on them are cancelled.
+        * A prefetch the store defers (the node's prefetch room is full, see
+          :mod:`asynccache.cache.plan`) fetches nothing; no new prefetch starts until the
+          reader asks for a chunk or ``_DEFER_RETRY_S`` passes. A caller that asks for a
+          deferred chunk fetches it at once.
 
     Args:
         storage: the dataset's storage; the caller owns it (and closes it).
@@ -111,6 +117,8 @@ class Downloader:
         self._waiters: dict[str, int] = {}
         self._queue: list[ChunkSpec] = []
         self._hinted: set[str] = set()
+        self._deferred = False
+        self._retry: asyncio.TimerHandle | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -195,11 +203,16 @@ class Downloader:
             self._pump()
             return str(self.store.path(name))
         self.stats.misses += 1
-        task = self._start(ChunkSpec(name, size, checksum))
         self._waiters[name] = self._waiters.get(name, 0) + 1
         t0 = time.monotonic()
+        task = self._start(ChunkSpec(name, size, checksum))
         try:
-            return await asyncio.shield(task)
+            while True:
+                try:
+                    return await asyncio.shield(task)
+                except Deferred:
+                    # A prefetch of it was deferred just before this caller came.
+                    task = self._start(ChunkSpec(name, size, checksum))
         except asyncio.CancelledError:
             # The caller gave up: the download goes on only if someone else wants it.
             if self._waiters[name] == 1 and not task.done() and not self._in_window(name):
@@ -248,7 +261,7 @@ class Downloader:
 
     def _start(self, spec: ChunkSpec) -> asyncio.Task[str]:
         task = self._inflight.get(spec.name)
-        if task is None:
+        if task is None or task.done():
             self._clocks[spec.name] = ProgressClock(self._all)
             task = asyncio.get_running_loop().create_task(
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
@@ -262,7 +275,10 @@ class Downloader:
             del self._inflight[name]
             self._clocks.pop(name, None)
         self._hinted.discard(name)
-        if not task.cancelled() and task.exception() is not None:
+        if not task.cancelled() and isinstance(task.exception(), Deferred):
+            self.stats.deferred += 1
+            self._defer()
+        elif not task.cancelled() and task.exception() is not None:
             log.debug("download of %s failed: %r", name, task.exception())
         log.debug("%r", self)
         self._pump()
@@ -282,7 +298,14 @@ class Downloader:
                     return str(self.store.path(spec.name))  # another process published it
                 for round_ in (1, 2):
                     clock.quiet(self.store.lock_timeout_s)  # may wait for another evictor
-                    tmp = await self.store.reserve(spec.name, size)
+                    try:
+                        tmp = await self.store.reserve(
+                            spec.name, size, ahead=not self._wanted(spec.name)
+                        )
+                    except Deferred:
+                        if not self._wanted(spec.name):
+                            raise
+                        tmp = await self.store.reserve(spec.name, size)  # a caller came
                     clock.resume()
                     try:
                         streamed = await self._fill(spec.name, size, tmp, spec.checksum)
@@ -356,7 +379,20 @@ class Downloader:
     def _window(self) -> list[ChunkSpec]:
         return self._queue[: self.settings.prefetch_chunks]
 
+    def _defer(self) -> None:
+        """Start no prefetch until the reader asks for a chunk or the retry time passes."""
+        self._deferred = True
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(_DEFER_RETRY_S, self._undefer)
+
+    def _undefer(self) -> None:
+        self._retry = None
+        if self._deferred:
+            self._deferred = False
+            self._pump()
+
     def _consume_hint(self, name: str) -> None:
+        self._deferred = False
         for i, spec in enumerate(self._queue):
             if spec.name == name:
                 del self._queue[: i + 1]
@@ -367,6 +403,8 @@ class Downloader:
             return
         if any(self._waiters.get(name) for name in self._inflight):
             return  # a reader waits for a download: new prefetches would slow it down
+        if self._deferred:
+            return  # the node's prefetch room is full (see _defer)
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue

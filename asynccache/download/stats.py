@@ -22,6 +22,7 @@ class DownloadStats:
     hits: int = 0
     misses: int = 0
     retries: int = 0
+    deferred: int = 0  # prefetches the store deferred: the node's prefetch room was full
     wait_s: float = 0.0
     busy_s: float = 0.0
     peak_inflight: int = 0
@@ -51,6 +52,6 @@ class DownloadStats:
     def __str__(self) -> str:
         return (
             f"fetched={self.chunks_fetched} bytes={self.bytes} hits={self.hits} "
-            f"misses={self.misses} retries={self.retries} "
+            f"misses={self.misses} retries={self.retries} deferred={self.deferred} "
             f"MB/s={self.bytes_per_s / 1e6:.1f} wait_s={self.wait_s:.3f}"
         )

@@ -1,0 +1,84 @@
+"""Where each reader of a node stands in its epoch: one small shared file per read plan.
+
+``<dataset dir>/.locks/plan-<key>.board`` has one fixed-width slot per reader, written
+only by that reader (``pwrite`` of its slot, no lock) each time it starts reading a chunk,
+and read by any process that evicts. A slot holds ``epoch variant position``.
+
+It is a hint, never a source of truth: a slot that is missing, torn or left by a reader
+that died reads as "not started", which only keeps more chunks (a reader that has not
+started needs all of its part). A crash therefore leaves nothing that matters; the file
+is a few hundred bytes and is reused by the next run of the same plan.
+
+Layer: stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .. import forksafe
+from .layout import LOCK_DIR
+
+__all__ = ["Board", "board_path"]
+
+_SLOT = 48
+_TAG = b"p1"
+
+
+def board_path(root: str | os.PathLike[str], key: str) -> str:
+    return os.path.join(root, LOCK_DIR, f"plan-{key}.board")
+
+
+class Board:
+    """The slots of ``readers`` readers in the file at ``path`` (created on first write)."""
+
+    def __init__(self, path: str, readers: int) -> None:
+        self.path = path
+        self.readers = readers
+        self._fd: int | None = None
+        self._pid = os.getpid()
+
+    def _open(self) -> int | None:
+        if self._fd is None or self._pid != os.getpid():
+            try:
+                self._fd = forksafe.open_fd(self.path, os.O_RDWR | os.O_CREAT)
+            except OSError:
+                return None  # a read-only or vanished cache: the plan degrades, never fails
+            self._pid = os.getpid()
+        return self._fd
+
+    def write(self, reader: int, epoch: int, variant: int, position: int) -> None:
+        """Record where ``reader`` stands (never raises: the board is a hint)."""
+        fd = self._open()
+        if fd is None:
+            return
+        line = b"%s %d %d %d" % (_TAG, epoch, variant, position)
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, line.ljust(_SLOT - 1) + b"\n", reader * _SLOT)
+
+    def read(self) -> list[tuple[int, int, int] | None]:
+        """Every reader's ``(epoch, variant, position)``, None where unknown."""
+        out: list[tuple[int, int, int] | None] = [None] * self.readers
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return out
+        try:
+            raw = os.pread(fd, _SLOT * self.readers, 0)
+        except OSError:
+            return out
+        finally:
+            os.close(fd)
+        for r in range(self.readers):
+            fields = raw[r * _SLOT : (r + 1) * _SLOT].split()
+            if len(fields) != 4 or fields[0] != _TAG:
+                continue
+            with contextlib.suppress(ValueError):
+                out[r] = (int(fields[1]), int(fields[2]), int(fields[3]))
+        return out
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None and self._pid == os.getpid():
+            forksafe.close_fd(fd)

@@ -1,0 +1,234 @@
+"""One reader following the node's epoch plan: its place on the board, its pins, its hints.
+
+``StreamingDataset`` hands each epoch's plan to its :class:`~asynccache.source.DatasetSource`
+(:meth:`~asynccache.source.DatasetSource.plan_epoch`). From the deterministic order the
+source computes what every reader of the node (every DataLoader worker of every rank)
+reads this epoch and the next (:mod:`asynccache.sampling.runs`), and:
+
+* gives the chunk store a :class:`~asynccache.cache.plan.PlanPolicy`: plan-aware eviction
+  and a node-wide prefetch room;
+* checks the budget against the plan's minimum, and raises :class:`ConfigError` below it;
+* as this reader starts each chunk, records its position on the board, unpins the chunks
+  it is done with (its reader may keep their mappings a while: the bytes are never read
+  again through them), and hints the downloader with the chunks it reads next.
+
+Layer: above :mod:`asynccache.download`, :mod:`asynccache.cache` and
+:mod:`asynccache.sampling`; used by :mod:`asynccache.source`.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Sequence
+
+from .cache.board import Board, board_path
+from .cache.plan import EpochPlan, PlanPolicy, Stream
+from .errors import ConfigError
+from .format import Index
+from .sampling import EpochOrder
+from .sampling.partition import Interval
+from .sampling.runs import reader_runs, reader_segments
+
+__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "min_budget_message"]
+
+_KEEP_PLANS = 4
+
+
+class EpochSpec:
+    """How the node reads one epoch: the arguments of the sampler, for every reader."""
+
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        seed: int,
+        shuffle: bool,
+        window: int,
+        remaining: Sequence[Interval],
+        received: int,
+        world: int,
+        rank: int,
+        num_workers: int,
+        worker: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
+        self.epoch, self.seed, self.shuffle, self.window = epoch, seed, shuffle, window
+        self.remaining = [(int(a), int(b)) for a, b in remaining]
+        self.received = received
+        self.world, self.rank, self.num_workers, self.worker = world, rank, num_workers, worker
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    @property
+    def readers(self) -> int:
+        return self.world * self.num_workers
+
+    @property
+    def me(self) -> int:
+        return self.rank * self.num_workers + self.worker
+
+    def key(self, checksum: str) -> str:
+        """The board of this way of reading the dataset (any epoch)."""
+        way = (self.seed, self.shuffle, self.window, self.world, self.num_workers)
+        raw = repr((checksum, *way, self.batch_size, self.drop_last))
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    def variant(self, total: int) -> int:
+        """0 for an epoch read from its start; else a number naming the resumed rest."""
+        if self.received == 0 and self.remaining == ([(0, total)] if total else []):
+            return 0
+        raw = repr((self.remaining, self.received)).encode()
+        return 1 + int(hashlib.sha256(raw).hexdigest()[:12], 16)
+
+
+class PlanCache:
+    """The node's :class:`EpochPlan` of a few ``(epoch, variant)``, computed on demand."""
+
+    def __init__(self, index: Index, spec: EpochSpec) -> None:
+        self.index = index
+        self.spec = spec
+        self._plans: collections.OrderedDict[tuple[int, int], EpochPlan] = collections.OrderedDict()
+        self._variant = spec.variant(index.total_items)
+
+    def same_way(self, spec: EpochSpec) -> bool:
+        return spec.key(self.index.checksum) == self.spec.key(self.index.checksum)
+
+    def follow(self, spec: EpochSpec) -> None:
+        """Make ``spec`` (same way of reading, another epoch) the resumed variant known."""
+        self.spec = spec
+        self._variant = spec.variant(self.index.total_items)
+
+    def __call__(self, epoch: int, variant: int) -> EpochPlan | None:
+        key = (epoch, variant)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        if variant == 0:
+            total = self.index.total_items
+            remaining, received = ([(0, total)] if total else []), 0
+        elif variant == self._variant and epoch == self.spec.epoch:
+            remaining, received = self.spec.remaining, self.spec.received
+        else:
+            return None
+        plan = self._build(epoch, remaining, received)
+        self._plans[key] = plan
+        while len(self._plans) > _KEEP_PLANS:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _build(self, epoch: int, remaining: Sequence[Interval], received: int) -> EpochPlan:
+        s, index = self.spec, self.index
+        order = EpochOrder(
+            [c.items for c in index.chunks],
+            index.chunk_keys,
+            seed=s.seed,
+            epoch=epoch,
+            shuffle=s.shuffle,
+            window=s.window,
+        )
+        most = max((c.items for c in index.chunks), default=1)
+        gap = s.window * most if s.shuffle else 1
+        streams = []
+        for segs in reader_segments(
+            remaining,
+            world=s.world,
+            num_workers=s.num_workers,
+            batch_size=s.batch_size,
+            drop_last=s.drop_last,
+            received=received,
+        ):
+            runs = reader_runs(segs, order.keys, lambda k: index.locate_many(k)[0], gap=gap)
+            streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
+        return EpochPlan(streams, [c.bytes for c in index.chunks])
+
+
+class ReadPlan:
+    """This reader's place in the node's plan of one epoch.
+
+    Thread-safe only under its owner's mutex (the source holds it around every call).
+    """
+
+    def __init__(
+        self, index: Index, spec: EpochSpec, plans: PlanCache, root: str, skipped: int = 0
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.me = spec.me
+        self.variant = spec.variant(index.total_items)
+        self.board = Board(board_path(root, spec.key(index.checksum)), spec.readers)
+        self.policy = PlanPolicy(
+            [c.filename for c in index.chunks],
+            plans,
+            epoch=spec.epoch,
+            variant=self.variant,
+            readers=spec.readers,
+            positions=self.board.read,
+        )
+        mine = plans(spec.epoch, self.variant)
+        assert mine is not None
+        stream = mine.streams[self.me]
+        self._starts = stream.starts.tolist()
+        self._ends = stream.ends.tolist()
+        self._chunks = stream.chunks.tolist()
+        self._numbers = {c.filename: i for i, c in enumerate(index.chunks)}
+        self._runs: dict[int, list[int]] = {}  # chunk -> its run numbers, in order
+        for i, c in enumerate(self._chunks):
+            self._runs.setdefault(c, []).append(i)
+        self.pos = skipped
+        self._next = 0  # the first run that starts at or after the position
+        self.board.write(self.me, spec.epoch, self.variant, self.pos)
+
+    def start(self, ci: int) -> bool:
+        """This reader starts (or goes on) reading chunk ``ci``; True when it moved on to a
+        new run, so the board, the pins and the hint change."""
+        for i in self._runs.get(ci, ()):
+            if self._ends[i] > self.pos:
+                if self._starts[i] <= self.pos:
+                    return False  # asked again within its run
+                self.pos = self._starts[i]
+                self.board.write(self.me, self.spec.epoch, self.variant, self.pos)
+                return True
+        return False  # not in this reader's plan: random access
+
+    def reads_now(self, ci: int) -> bool:
+        """Chunk ``ci`` has a run around this reader's position."""
+        return any(self._starts[i] <= self.pos < self._ends[i] for i in self._runs.get(ci, ()))
+
+    def reads_now_name(self, name: str) -> bool:
+        ci = self._numbers.get(name)
+        return ci is not None and self.reads_now(ci)
+
+    def upcoming(self, count: int) -> list[int]:
+        """The next ``count`` distinct chunks this reader starts, from its position on
+        (the chunk it starts there first; those it started before are not repeated)."""
+        while self._next < len(self._chunks) and self._starts[self._next] < self.pos:
+            self._next += 1  # runs are ordered by start and the position only grows
+        out: dict[int, None] = {}
+        i = self._next
+        while i < len(self._chunks) and len(out) < count:
+            out[self._chunks[i]] = None
+            i += 1
+        return list(out)
+
+    def close(self) -> None:
+        self.board.close()
+
+
+def min_budget_message(url: str, budget: int, policy: PlanPolicy, spec: EpochSpec) -> str:
+    mib = 1 << 20
+    return (
+        f"{url}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes = {budget} "
+        f"bytes, {budget / mib:.1f} MiB) is below the minimum of {policy.min_bytes} bytes "
+        f"({policy.min_bytes / mib:.1f} MiB) for {spec.readers} readers ({spec.world} ranks x "
+        f"{spec.num_workers} workers) sharing this node's cache: what each reader reads at "
+        f"once plus the chunks two readers share; below it chunks would be downloaded "
+        f"twice an epoch. Raise the budget to at least {policy.min_bytes}, or read with "
+        f"fewer workers or a smaller shuffle_window"
+    )
+
+
+def raise_if_below(url: str, budget: int, policy: PlanPolicy, spec: EpochSpec) -> None:
+    if budget < policy.min_bytes:
+        raise ConfigError(min_budget_message(url, budget, policy, spec))
