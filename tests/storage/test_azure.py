@@ -96,6 +96,14 @@ async def test_connection_string_from_env_mapping(
     await _round_trip(f"az://{az_container}/p", {}, tmp_path, aws_env=azurite.env)
 
 
+async def test_abfs_url_reads_through_the_blob_endpoint(
+    azurite: Azurite, az_container: str, tmp_path: Path
+) -> None:
+    url = f"abfs://{az_container}@{ACCOUNT}.dfs.core.windows.net/p"
+    opts = {"account_key": ACCOUNT_KEY, "endpoint_url": azurite.endpoint_url}
+    await _round_trip(url, opts, tmp_path)
+
+
 async def test_sas_token(azurite: Azurite, az_container: str, tmp_path: Path) -> None:
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
