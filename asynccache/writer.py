@@ -17,15 +17,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import mmap
 import os
 import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from ._version import __version__
 from .errors import BadIndexError, CacheError, ConfigError, WriteConflictError
-from .format import INDEX_NAME, ChunkEntry, Index, build, encode, encoded_size, merge, runs
+from .format import (
+    INDEX_NAME,
+    ChunkEntry,
+    ChunkView,
+    Index,
+    build,
+    encode,
+    encoded_size,
+    merge,
+    runs,
+)
 from .format.index import format_checksum, new_hasher
 from .format.items import compressor
 from .fsutil import atomic_write, fsync_dir
@@ -37,6 +50,10 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 MERGE_STALL_S = 600.0
 _POLL_S = (0.02, 1.0)  # first and longest pause between looks; doubles in between
 _WRITTEN = re.compile(r"chunk-\d+-\d+\.bin|\d+\.index\.json")
+#: A merged index with more key runs than this per chunk is rewritten in key order.
+COMPACT_RUNS_PER_CHUNK = 2
+#: The writer number of chunks rewritten in key order (no DataLoader writer gets it).
+SORTED_WRITER = 999_999_999
 
 
 def writer_index_name(writer: int) -> str:
@@ -229,10 +246,87 @@ def merge_dir(
         idx = merge(parts, cfg)
     except BadIndexError as exc:
         raise BadIndexError(f"{directory}: cannot merge writer indexes: {exc}") from exc
+    if sum(len(c.keys) for c in idx.chunks) > COMPACT_RUNS_PER_CHUNK * max(1, len(idx.chunks)):
+        idx = compact_dir(directory, idx)
     fsync_dir(directory)  # the chunk and writer-index names, before the commit names them
     atomic_write(os.path.join(directory, INDEX_NAME), [idx.to_json().encode()], fsync=True)
     fsync_dir(directory)  # the commit itself
     return idx
+
+
+def compact_dir(directory: str, index: Index) -> Index:
+    """Rewrite ``index``'s chunks in key order: the result has one key run per chunk.
+
+    Items written in a shuffled order (a shuffled writing epoch, ``cache[i] = x`` in any
+    order) leave each chunk holding scattered keys, one ``[key, 1]`` run each: ~31 bytes
+    of ``index.json`` per item. Rewriting keeps ``index.json`` O(chunks) whatever the
+    order, at the cost of copying the items once (raw bytes, no decoding).
+
+    New chunks are ``chunk-{SORTED_WRITER}-{n}.bin`` of the same ``chunk_bytes`` /
+    ``chunk_size``; each is fsynced and renamed into place, then the old chunks are
+    deleted (the writers' own indexes stay, as the record of the pass; only ``index.json``
+    is read by readers). The caller writes ``index.json`` after this returns: a
+    crash before then leaves no ``index.json``, so the write pass starts over
+    (:func:`remove_partial` clears every chunk of either name).
+    """
+    chunk_bytes = index.config.get("chunk_bytes")
+    chunk_size = index.config.get("chunk_size")
+    if chunk_bytes is None and chunk_size is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES
+    maps: list[mmap.mmap | bytes] = []
+    views: list[ChunkView] = []
+    try:
+        for c in index.chunks:
+            path = os.path.join(directory, c.filename)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b"")
+            views.append(ChunkView(maps[-1], path))
+        n = index.total_items
+        chunk_of, pos_of = index.locate_many(np.arange(n, dtype=np.int64))
+        entries: list[ChunkEntry] = []
+        batch: list[list[memoryview | bytes]] = []
+        batch_bytes = 0
+
+        def flush(first: int) -> None:
+            nonlocal batch, batch_bytes
+            if not batch:
+                return
+            name = f"chunk-{SORTED_WRITER}-{len(entries)}.bin"
+            hasher = new_hasher()
+
+            def pieces() -> Iterable[bytes | memoryview]:
+                for p in build(batch):
+                    hasher.update(p)
+                    yield p
+
+            size = atomic_write(os.path.join(directory, name), pieces(), fsync=True)
+            entries.append(
+                ChunkEntry(name, len(batch), size, format_checksum(hasher), ((first, len(batch)),))
+            )
+            batch, batch_bytes = [], 0
+
+        first = 0
+        for key, (ci, pos) in enumerate(zip(chunk_of.tolist(), pos_of.tolist(), strict=True)):
+            a, b = views[ci].span(pos)
+            full_bytes = chunk_bytes is not None and batch_bytes + (b - a) + 8 > chunk_bytes
+            full_count = chunk_size is not None and len(batch) >= chunk_size
+            if batch and (full_bytes or full_count):
+                flush(first)
+                first = key
+            batch.append([memoryview(maps[ci])[a:b]])
+            batch_bytes += b - a + 8
+        flush(first)
+    finally:
+        for m in maps:
+            if isinstance(m, mmap.mmap):
+                with contextlib.suppress(BufferError):
+                    m.close()
+    fsync_dir(directory)  # the new names, before the old ones go
+    for name in [c.filename for c in index.chunks]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    return Index(tuple(entries), index.config)
 
 
 def _renumbered(parts: list[Index]) -> list[Index]:
