@@ -547,8 +547,10 @@ def optimize(
             )  # fmt: skip
             shipped = dataclasses.replace(run.job, settings=Settings(), aws_env={})
             shipped = (shipped, run.committed)
-        except AsyncCacheError as exc:
-            broadcast(exc)
+        except BaseException as exc:
+            if world > 1:  # the other ranks wait in the broadcast: tell them
+                err = exc if isinstance(exc, AsyncCacheError) else AsyncCacheError(repr(exc))
+                broadcast(err)
             raise
         broadcast(shipped)
     else:
@@ -640,6 +642,15 @@ def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
             if failed:
                 doc = call(get_json(storage, failed[0])) or {}
                 raise InputFailedError(str(doc.get("error", "another rank failed")))
+            plan = call(get_json(storage, JOB_KEY)) if any(o.key == JOB_KEY for o in work) else None
+            if plan is None or plan.get("gen") != job.gen:
+                idx = call(jobs.read_index(storage))  # committed just now, or given up
+                if idx is not None and idx.config.get("generation") == job.gen:
+                    return idx
+                raise InputFailedError(
+                    f"{job.url}: rank 0 stopped job {job.gen} without committing (an input "
+                    "failed there, or it was interrupted); see rank 0's error"
+                )
             marker = frozenset((o.key, o.size) for o in work)
             now = time.monotonic()
             if marker != last:

@@ -153,18 +153,20 @@ def test_bad_arguments_are_named(tmp_path):
         optimize(helpers.items, [1], str(tmp_path), chunk_bytes="lots", settings=QUIET)
 
 
-# 100k tiny items whose inputs arrive shuffled: index.json stays O(chunks).
-INDEX_LIMIT = 16 << 10  # bytes; one key run per chunk would be ~31 bytes x 100k = 3 MB
+# Tiny items whose inputs arrive shuffled: index.json stays O(chunks), one key run per
+# chunk (shard-local keys, shifted at the merge). The 100k-item case of the writer that
+# gets keys in a shuffled order is in tests/format/test_compact_index.py.
+INDEX_LIMIT = 4 << 10  # bytes; one run per item would be ~31 bytes x 20k = 600 KB
 
 
-def test_index_stays_compact_for_100k_shuffled_items(tmp_path):
-    inputs = list(range(100_000))
+def test_index_stays_compact_for_shuffled_inputs(tmp_path):
+    inputs = list(range(20_000))
     random.Random(0).shuffle(inputs)
     out = str(tmp_path / "out")
-    res = optimize(helpers.small, inputs, out, num_workers=0, chunk_bytes="1MB", settings=QUIET)
+    res = optimize(helpers.small, inputs, out, num_workers=0, chunk_bytes="256KB", settings=QUIET)
     size = os.path.getsize(os.path.join(out, "index.json"))
-    assert res.index.total_items == 100_000
+    assert res.index.total_items == 20_000
     assert size < INDEX_LIMIT, size
     assert sum(len(c.keys) for c in res.index.chunks) == len(res.index.chunks)
     doc = json.load(open(os.path.join(out, "index.json")))
-    assert doc["total_items"] == 100_000
+    assert doc["total_items"] == 20_000
