@@ -33,7 +33,7 @@ from .errors import (
 from .optimize import OptimizeResult, optimize
 from .prefetch import prefetch
 from .torch.cache import Cache, CacheNotFilledError
-from .torch.dataloader import CacheDataLoader
+from .torch.dataloader import CacheDataLoader, LoaderStats
 from .torch.fetcher import Fetcher, FetcherStats
 from .torch.streaming import StreamingDataset
 from .upload import UploadSummary, upload
@@ -58,6 +58,7 @@ __all__ = [
     "Fetcher",
     "FetcherStats",
     "InputFailedError",
+    "LoaderStats",
     "ObjectNotFoundError",
     "OptimizeResult",
     "ResumeStateError",

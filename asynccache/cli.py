@@ -1,4 +1,5 @@
-"""The ``asynccache`` command: inspect, verify, upload and prefetch datasets.
+"""The ``asynccache`` command: inspect, verify, upload and prefetch datasets; see and
+clear the local chunk cache (``cache ls | du | clear``).
 
 Exit codes: 0 success; 1 ``verify`` found bad chunks; 2 the command could not run (bad
 arguments, missing dataset, storage or data error). Errors print as one line
@@ -9,6 +10,8 @@ is a thin face over the library: every check and transfer lives in the modules i
 from __future__ import annotations
 
 import argparse
+import datetime
+import fcntl
 import json
 import os
 import statistics
@@ -149,6 +152,174 @@ def _prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_ls(args: argparse.Namespace) -> int:
+    cache_dir, dirs = _cache_dirs(args)
+    rows = [("DATASET", "CHUNKS", "BYTES", "PINNED", "DOWNLOADING", "LAST USED")]
+    for name, path in dirs:
+        chunks, partial = _cache_files(path)
+        used = max((st.st_mtime for _, st in chunks), default=None)
+        pinned = sum(1 for f, _ in chunks if _in_use(os.path.join(path, f)))
+        rows.append(
+            (
+                name,
+                str(len(chunks)),
+                _bytes(sum(st.st_size for _, st in chunks)),
+                str(pinned),
+                str(len(partial)),
+                "-" if used is None else _when(used),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    if not dirs:
+        print(f"(nothing cached in {cache_dir})")
+    return 0
+
+
+def _cache_du(args: argparse.Namespace) -> int:
+    from .cache.usage import fs_free
+    from .config import Settings
+
+    cache_dir, dirs = _cache_dirs(args)
+    total = 0
+    for name, path in dirs:
+        chunks, partial = _cache_files(path)
+        size = sum(st.st_size for _, st in chunks) + sum(
+            max(st.st_blocks * 512, st.st_size) for _, st in partial
+        )
+        total += size
+        print(f"{_bytes(size):>10}  {name}")
+    budget = Settings.from_env().max_cache_bytes
+    free = _bytes(fs_free(cache_dir)) if os.path.isdir(cache_dir) else "-"
+    print(
+        f"{_bytes(total):>10}  total in {len(dirs)} dataset(s) under {cache_dir} "
+        f"(budget {_bytes(budget)}, {free} free on its disk)"
+    )
+    return 0
+
+
+def _cache_clear(args: argparse.Namespace) -> int:
+    from .cache.layout import sweep_orphans
+
+    _cache_dir, dirs = _cache_dirs(args)
+    removed = freed = 0
+    skipped: list[str] = []
+    for _name, path in dirs:
+        chunks, _partial = _cache_files(path)
+        for f, st in chunks:
+            full = os.path.join(path, f)
+            if _remove_unpinned(full):
+                removed += 1
+                freed += st.st_size
+            elif os.path.exists(full):
+                skipped.append(full)
+        sweep_orphans(path)  # downloads whose process died; live ones keep their lock
+        skipped += [os.path.join(path, f) for f, _ in _cache_files(path)[1]]
+    print(f"removed {removed} chunk(s) ({_bytes(freed)}) from {len(dirs)} dataset(s)")
+    if skipped:
+        print(f"skipped {len(skipped)} file(s) in use by another process (pinned or downloading):")
+        for path in skipped:
+            print(f"  {path}")
+    return 0
+
+
+def _cache_dirs(args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]]:
+    """The cache directory and its dataset directories ``(label, path)``: all of them, or
+    the one of ``--dataset URL`` (found from the URL and its index's checksum)."""
+    from .cache.layout import dataset_dir, is_dataset_dir
+    from .config import Settings
+
+    cache_dir = args.cache_dir or Settings.from_env().cache_dir
+    if args.dataset is not None:
+        from .source import DatasetSource
+
+        src = DatasetSource(
+            args.dataset,
+            cache_dir=cache_dir,
+            storage_options=_storage_options(args.storage_option),
+        )
+        if not src.remote:
+            raise ConfigError(f"{args.dataset} is local: it is read in place, never cached")
+        path = str(dataset_dir(cache_dir, src.url, src.index.checksum))
+        return cache_dir, ([(args.dataset, path)] if is_dataset_dir(path) else [])
+    try:
+        entries = sorted(os.scandir(cache_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        return cache_dir, []
+    return cache_dir, [
+        (e.name, e.path)
+        for e in entries
+        if e.is_dir(follow_symlinks=False) and is_dataset_dir(e.path)
+    ]
+
+
+def _cache_files(path: str) -> tuple[list[tuple[str, os.stat_result]], list[tuple[str, Any]]]:
+    """A dataset directory's published chunks and downloads in progress, with their stats
+    (only names the cache creates; nothing else is looked at)."""
+    from .cache.layout import is_chunk_name, is_chunk_temp_name
+
+    chunks, partial = [], []
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return [], []
+    for e in entries:
+        try:
+            if not e.is_file(follow_symlinks=False):
+                continue
+            if is_chunk_name(e.name):
+                chunks.append((e.name, e.stat(follow_symlinks=False)))
+            elif is_chunk_temp_name(e.name):
+                partial.append((e.name, e.stat(follow_symlinks=False)))
+        except FileNotFoundError:
+            continue
+    return sorted(chunks), sorted(partial)
+
+
+def _in_use(path: str) -> bool:
+    """True when another process pins ``path`` (holds its shared flock)."""
+    from .cache.locks import try_lock
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if not try_lock(fd, exclusive=True):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_unpinned(path: str) -> bool:
+    """Unlink a published chunk unless a process pins it: as the cache's evictor does,
+    only under an exclusive, non-blocking flock (a pin holds a shared one)."""
+    from .cache.locks import try_lock
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if not try_lock(fd, exclusive=True):
+            return False
+        if os.stat(path).st_ino != os.fstat(fd).st_ino:
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)  # (drops the lock)
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
 # -- helpers -------------------------------------------------------------------------
 
 
@@ -205,6 +376,23 @@ def _parser() -> argparse.ArgumentParser:
         "--cache-dir", default=None, help="local cache directory (default ASYNCCACHE_CACHE_DIR)"
     )
     p.set_defaults(func=_prefetch)
+
+    cache = sub.add_parser("cache", help="see and clear the local chunk cache")
+    csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--cache-dir", default=None, help="the cache directory (default ASYNCCACHE_CACHE_DIR)"
+    )
+    where.add_argument(
+        "--dataset", default=None, metavar="URL", help="only the cached chunks of this dataset"
+    )
+    for name, func, text in (
+        ("ls", _cache_ls, "list the cached datasets: chunks, bytes, pinned, last used"),
+        ("du", _cache_du, "bytes the cache holds, per dataset and in total"),
+        ("clear", _cache_clear, "delete cached chunks no process is using; say what was kept"),
+    ):
+        c = csub.add_parser(name, parents=[common, storage, where], help=text)
+        c.set_defaults(func=func)
     return parser
 
 

@@ -200,3 +200,70 @@ def test_python_dash_m_inspect(dataset: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "chunks          4" in proc.stdout
+
+
+_PIN = """
+import sys
+from asynccache import StreamingDataset
+ds = StreamingDataset(sys.argv[1], cache_dir=sys.argv[2], storage_options={opts!r})
+it = iter(ds)
+next(it)  # the first chunk is read, so pinned, until this process ends
+print("pinned", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_cache_ls_du_clear_keep_what_another_process_pinned(
+    dataset: Path,
+    tmp_path: Path,
+    objstore: ObjectStore,
+    bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    opts = _options(objstore)
+    urls = [f"s3://{bucket}/a", f"s3://{bucket}/b"]
+    cache_dir = tmp_path / "cache"
+    for url in urls:
+        assert main(["upload", str(dataset), url, *opts]) == 0
+        assert main(["prefetch", url, "--cache-dir", str(cache_dir), *opts]) == 0
+    capsys.readouterr()
+    where = ["--cache-dir", str(cache_dir)]
+    pinner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _PIN.format(opts=objstore.storage_options),
+            urls[0],
+            str(cache_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert pinner.stdout is not None and pinner.stdout.readline().strip() == "pinned"
+        assert main(["cache", "ls", *where]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+        assert sorted((r[1], r[4]) for r in rows) == [("4", "0"), ("4", "1")], rows
+
+        assert main(["cache", "ls", "--dataset", urls[0], *where, *opts]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+        assert [(r[0], r[1], r[4]) for r in rows] == [(urls[0], "4", "1")]
+
+        total = sum(p.stat().st_size for p in cache_dir.rglob("chunk-*.bin"))
+        assert main(["cache", "du", *where]) == 0
+        out = capsys.readouterr().out
+        assert "total in 2 dataset(s)" in out and out.count("\n") == 3
+
+        assert main(["cache", "clear", *where]) == 0
+        out = capsys.readouterr().out
+        left = list(cache_dir.rglob("chunk-*.bin"))
+        assert len(left) == 1 and left[0].name == _chunks(dataset)[0], "the pinned chunk"
+        assert "removed 7 chunk(s)" in out and "skipped 1 file(s)" in out
+        assert str(left[0]) in out, "it says what it kept"
+        assert total > left[0].stat().st_size
+    finally:
+        pinner.communicate("\n", timeout=60)
+    assert main(["cache", "clear", "--dataset", urls[0], *where, *opts]) == 0
+    assert "removed 1 chunk(s)" in capsys.readouterr().out
+    assert not list(cache_dir.rglob("chunk-*.bin"))

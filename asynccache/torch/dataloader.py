@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import secrets
 import threading
@@ -11,10 +12,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from ..cache.usage import scan
+from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
+from .fetcher import FetcherStats
 from .map_order import EpochSampler, epoch_order, map_batch_count, map_batches, rank_share
 from .streaming import StreamingDataset
 from .writepass import (
@@ -134,6 +138,46 @@ class _Epoch:
         close = getattr(self._inner, "close", None)
         if callable(close):
             close()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderStats:
+    """Download statistics of a loader, summed over its process and all its workers.
+
+    Attributes:
+        bytes, chunks_fetched, hits, misses, retries: the downloaders' counters.
+        wait_s: seconds readers waited for chunks to arrive.
+        cached_bytes: what the local cache directory holds now (all datasets in it).
+        cache_budget: its budget (``max_cache_bytes``).
+        stall: the consumer's waits, from a :class:`Fetcher` (see :meth:`with_stall`).
+    """
+
+    bytes: int = 0
+    chunks_fetched: int = 0
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    wait_s: float = 0.0
+    cached_bytes: int = 0
+    cache_budget: int = 0
+    stall: FetcherStats | None = None
+
+    def with_stall(self, stall: FetcherStats) -> LoaderStats:
+        """These statistics with a Fetcher's stall figures (``fetcher.stats``)."""
+        return dataclasses.replace(self, stall=stall)
+
+    def __str__(self) -> str:
+        text = (
+            f"fetched={self.chunks_fetched} bytes={self.bytes} hits={self.hits} "
+            f"misses={self.misses} retries={self.retries} wait_s={self.wait_s:.3f} "
+            f"cache={self.cached_bytes}/{self.cache_budget}"
+        )
+        if self.stall is not None:
+            text += (
+                f" steps={self.stall.steps} stall_pct={self.stall.stall_pct:.1f} "
+                f"stall_wait_s={self.stall.wait_s:.3f}"
+            )
+        return text
 
 
 class CacheDataLoader(DataLoader[Any]):
@@ -281,6 +325,32 @@ class CacheDataLoader(DataLoader[Any]):
                 f"{c.input_dir} holds {len(c)} items but the dataset has {len(self.dataset)};"
                 " delete the directory or choose another cache_dir"
             )
+
+    @property
+    def stats(self) -> LoaderStats:
+        """Download statistics summed over this process and every worker, and the local
+        cache's occupancy. Add a Fetcher's stall figures with
+        ``loader.stats.with_stall(fetcher.stats)``."""
+        ds = self._stream
+        if ds is None and self.cache is not None and self.cache.filled:
+            ds = self._streaming()
+        if ds is None:  # the writing epoch reads the dataset itself: nothing downloaded
+            budget = Settings.from_env(
+                max_cache_bytes=self.cache.max_cache_bytes if self.cache else None
+            ).max_cache_bytes
+            return LoaderStats(cache_budget=budget)
+        totals = ds.download_stats()
+        cached = scan(ds.source.cache_dir)[0] if ds.source.remote else 0
+        return LoaderStats(
+            bytes=int(totals["bytes"]),
+            chunks_fetched=int(totals["chunks_fetched"]),
+            hits=int(totals["hits"]),
+            misses=int(totals["misses"]),
+            retries=int(totals["retries"]),
+            wait_s=totals["wait_s"],
+            cached_bytes=cached,
+            cache_budget=ds.settings.max_cache_bytes,
+        )
 
     # -- which path an epoch takes -------------------------------------------------
     def _streaming(self) -> StreamingDataset:

@@ -25,6 +25,11 @@ _BLOCK = 512  # positions materialised at a time; bounds memory per worker
 _LOOKAHEAD = 8192  # positions scanned at a time when looking for the next chunks
 _SLOTS = 1024  # epoch counters, one per DataLoader worker slot (see _take_epoch)
 _PLAN_BYTES = 56 << 10  # room for the published plan (a few intervals in JSON)
+# Download statistics, one row per process that iterates (worker w: row w mod 256; the
+# main process: the last row), each cumulative over the processes that used it.
+_STAT_ROWS = 257
+_STAT_FIELDS = ("bytes", "chunks_fetched", "hits", "misses", "retries", "wait_s")
+_STATS_AT = _SLOTS * 8 + 8 + _PLAN_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +170,15 @@ class StreamingDataset(IterableDataset[Any]):
         self._rank_world = distributed.rank_and_world()
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
-        self._shared = torch.zeros(_SLOTS * 8 + 8 + _PLAN_BYTES, dtype=torch.uint8)
+        self._shared = torch.zeros(
+            _STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8, dtype=torch.uint8
+        )
         self._shared.share_memory_()
         self._expect = 0  # the counter value this process last wrote or advanced to
         self._pending: tuple[_Progress, int] | None = None  # a worker's loaded state
         self._skip = 0  # items this worker had yielded of its run before a resume
+        self._stats_pid = -1  # the process whose statistics row base was taken
+        self._stats_base = np.zeros(len(_STAT_FIELDS))
         self._publish()
 
     def _world(self, num_workers: int | None = None) -> distributed.World:
@@ -276,6 +285,31 @@ class StreamingDataset(IterableDataset[Any]):
         self.batch_size, self.num_workers = plan["batch_size"], plan["num_workers"]
         self._rank_world = (int(plan["rank_world"][0]), int(plan["rank_world"][1]))
 
+    def _stat_table(self) -> np.ndarray:
+        return self._shared[_STATS_AT:].numpy().view(np.float64).reshape(_STAT_ROWS, -1)
+
+    def _report_stats(self) -> None:
+        """Add this process's download counters to its row of the shared table."""
+        if not self.source.remote:
+            return
+        info = get_worker_info()
+        row = _STAT_ROWS - 1 if info is None else info.id % (_STAT_ROWS - 1)
+        table = self._stat_table()
+        pid = os.getpid()
+        if self._stats_pid != pid:  # a new process: the row holds its predecessors'
+            self._stats_base = table[row].copy()
+            self._stats_pid = pid
+        st = self.source.stats
+        table[row] = self._stats_base + np.array([float(getattr(st, f)) for f in _STAT_FIELDS])
+
+    def download_stats(self) -> dict[str, float]:
+        """Download counters summed over this process and every DataLoader worker that
+        iterated this dataset (workers report as they go: at least every few hundred
+        items and when their iterator ends)."""
+        self._report_stats()
+        total = self._stat_table().sum(axis=0)
+        return {f: float(v) for f, v in zip(_STAT_FIELDS, total, strict=True)}
+
     def _take_epoch(self, pinned: int | None = None) -> int:
         """The epoch this ``iter()`` runs, and advance the counters past it.
 
@@ -368,6 +402,7 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             for seg in segments:
                 for a in range(seg.start, seg.end, _BLOCK):
+                    self._report_stats()
                     keys = order.keys(a, min(seg.end, a + _BLOCK))
                     chunks, positions = self.index.locate_many(keys)
                     pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
@@ -378,6 +413,7 @@ class StreamingDataset(IterableDataset[Any]):
                         self._yielded += 1
                         yield self.transform(item) if self.transform else item
         finally:
+            self._report_stats()
             self._reader.close()
 
     def _hint(self, order: EpochOrder, segments: Any, seg: Any, a: int, chunks: np.ndarray) -> None:
