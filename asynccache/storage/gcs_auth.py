@@ -2,9 +2,9 @@
 
 Order: ``storage_options`` (``token``: an OAuth2 access token; ``key_file``: a
 service-account or authorized-user JSON file; ``anon``: no credentials), then, against an
-emulator endpoint, anonymous, else google-auth's standard chain (``google.auth.default``:
-``GOOGLE_APPLICATION_CREDENTIALS``, the gcloud application-default file, the metadata
-server), which google-auth reads itself.
+emulator endpoint, anonymous unless ``anon=False``, else google-auth's standard chain
+(``google.auth.default``: ``GOOGLE_APPLICATION_CREDENTIALS``, the gcloud
+application-default file, the metadata server), which google-auth reads itself.
 
 Invariants: the chain is resolved and tokens are refreshed off the event loop (both may
 do blocking I/O), one refresh at a time; a token never appears in a message or ``repr``,
@@ -40,8 +40,9 @@ class GcsAuth:
         self._key_file: str | None = None
         self._lock: asyncio.Lock | None = None
         token, key_file = options.get("token"), options.get("key_file")
-        anon = bool(options.get("anon", False))
-        if sum(x is not None and x is not False for x in (token, key_file, anon or None)) > 1:
+        # An explicit anon=False asks for the default chain even against an endpoint.
+        anon = bool(options["anon"]) if "anon" in options else emulator
+        if sum(x is not None for x in (token, key_file, options.get("anon") or None)) > 1:
             raise ConfigError("storage_options: give at most one of token, key_file and anon")
         if token is not None:
             if not isinstance(token, str) or not token:
@@ -51,7 +52,7 @@ class GcsAuth:
         elif key_file is not None:
             self._key_file = os.fspath(key_file)
             self.source = f"key file {self._key_file}"
-        elif anon or emulator:
+        elif anon:
             self.source = "anonymous"
         else:
             self.source = "google-auth default chain"

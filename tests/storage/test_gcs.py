@@ -144,14 +144,15 @@ async def test_google_application_credentials_through_the_default_chain(
 ) -> None:
     key = _key_file(tmp_path, api.server.url + "/token")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))  # read by google-auth
+    emulator = open_storage("gs://bkt", Settings(), {"endpoint_url": api.server.url})
+    assert emulator.auth.anonymous  # type: ignore[attr-defined]  # an endpoint: an emulator
     storage = open_storage("gs://bkt", Settings(), {"endpoint_url": api.server.url, "anon": False})
-    # an explicit endpoint is an emulator: anonymous unless credentials are asked for
-    assert storage.auth.anonymous  # type: ignore[attr-defined]
-    await storage.close()
-    from asynccache.storage.gcs_auth import GcsAuth
-
-    auth = GcsAuth({}, emulator=False)
-    assert await auth.headers() == {"Authorization": "Bearer ya29.minted-token"}
+    try:
+        assert (await storage.head("x")).size == 3  # anon=False: the default chain
+    finally:
+        await storage.close()
+    assert api.auth == ["Bearer ya29.minted-token"]
+    auth = storage.auth  # type: ignore[attr-defined]
     assert "google-auth default chain" in auth.source
 
 
