@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from asynccache import ConfigError, Settings
-from asynccache.config import launch_env, parse_size
+from asynccache.config import as_size, launch_env, parse_size
 
 
 def test_defaults_and_precedence():
@@ -83,3 +83,16 @@ def test_launch_env():
 def test_settings_are_frozen():
     with pytest.raises(AttributeError):
         Settings().retries = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("value", ["64MB", "64MiB", "64m", 1 << 26, "67108864", 67108864.0])
+def test_size_arguments_accept_what_the_environment_accepts(value):
+    assert as_size(value, "chunk_bytes") == 1 << 26
+    assert Settings.from_env({}, max_cache_bytes=value).max_cache_bytes == 1 << 26
+    assert Settings.from_env({}, part_bytes=value).part_bytes == 1 << 26
+
+
+@pytest.mark.parametrize("value", ["lots", "64XB", True, [64], 1.5])
+def test_a_bad_size_argument_names_the_argument(value):
+    with pytest.raises(ConfigError, match="max_cache_bytes must be a size"):
+        Settings.from_env({}, max_cache_bytes=value)
