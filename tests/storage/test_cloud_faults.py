@@ -1,4 +1,4 @@
-"""The fault proxy in front of the cloud emulators: each backend recovers byte-identical.
+"""The fault proxy in front of the cloud emulators and the Hub: each recovers byte-identical.
 
 The proxy forwards requests unchanged (signatures and tokens stay valid) and injects a
 429 with ``Retry-After``, a 503 burst and a reset mid-body; the downloader must retry,
@@ -154,3 +154,24 @@ def test_throttled_forever_is_a_clear_error(tmp_path: Path, lt: LoopThread, seed
             )
         assert "503" in str(info.value) and f"{url}/{NAME}" in str(info.value)
         assert proxy.fired("status") == 2
+
+
+def test_hub_throttling_is_retried_and_the_token_stays_on_the_hub(
+    tmp_path: Path, lt: LoopThread, hub
+) -> None:
+    data = random.Random(9).randbytes(SIZE)
+    hub.token = "hf_" + "k" * 30
+    hub.commit("org/ds", {NAME: data}, private=True)
+    with FaultProxy(hub.url) as proxy:
+        proxy.add_fault(
+            Fault("status", status=429, retry_after=0.3, path="resolve", methods=("HEAD", "GET"))
+        )
+        proxy.add_fault(Fault("status", status=503, path="resolve", methods=("HEAD", "GET")))
+        options = {"endpoint_url": proxy.url, "token": hub.token}
+        t0 = time.monotonic()
+        dl = _fetch(tmp_path, lt, "hf://datasets/org/ds", options, data, part_bytes=128 << 10)
+        assert time.monotonic() - t0 >= 0.3  # the Hub's Retry-After was honoured
+        assert proxy.fired("status") == 2 and dl.stats.retries >= 2
+    assert all(r.headers.get("Authorization") == f"Bearer {hub.token}" for r in hub.hub_requests)
+    assert hub.cdn_requests and all("Authorization" not in r.headers for r in hub.cdn_requests)
+    assert len([r for r in hub.cdn_requests if r.headers.get("Range")]) >= 5  # ranged parts
