@@ -175,10 +175,25 @@ class HfStorage(Storage):
                         href = nxt
                         continue
                 break
-        self._pin(headers)
-        if status not in (200, *_REDIRECTS):
-            raise self._error(status, url, headers, "HEAD")
-        size = headers.get("X-Linked-Size") or headers.get("Content-Length")
+            self._pin(headers)
+            if status not in (200, *_REDIRECTS):
+                raise self._error(status, url, headers, "HEAD")
+            size = headers.get("X-Linked-Size")
+            if status in _REDIRECTS and size is None:
+                # Another host without the Hub's size headers: ask it, without the token.
+                far = await send_following(
+                    session,
+                    "HEAD",
+                    str(resp.url.join(encoded_url(headers.get("Location", "")))),
+                    headers={"Accept-Encoding": "identity"},
+                    private={},
+                    what=url,
+                )
+                async with far:
+                    if far.status != 200:
+                        raise self._error(far.status, url, far.headers, "HEAD")
+                    size = far.headers.get("Content-Length")
+            size = size or headers.get("Content-Length")
         if size is None or not size.isdigit():
             raise StorageError(f"HEAD {url}: the Hub sent no size", url=url)
         etag = headers.get("X-Linked-Etag") or headers.get("ETag")

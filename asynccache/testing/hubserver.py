@@ -65,6 +65,9 @@ class HubServer:
     def __init__(self, *, token: str = "hf_test_token", page_size: int = 50) -> None:
         self.token = token
         self.page_size = page_size
+        #: Send ``X-Linked-Size``/``X-Linked-Etag`` with redirects (the Hub does; a
+        #: plain mirror may not).
+        self.linked_headers = True
         self.hub_requests: list[HubRequest] = []
         self.cdn_requests: list[HubRequest] = []
         self._repos: dict[str, _Repo] = {}
@@ -170,14 +173,15 @@ class HubServer:
                 return web.Response(headers=headers)
             return _ranged(request, data, headers)
         sig = hmac.new(self._key, digest.encode(), "sha256").hexdigest()
-        headers.update(
-            {
-                "Location": f"{self.cdn_url}/blobs/{digest}?X-Signature={sig}&name={quote(path)}",
-                "X-Linked-Size": str(len(data)),
-                "X-Linked-Etag": f'"{digest}"',
-                "ETag": f'"{digest}"',
-            }
-        )
+        headers["Location"] = f"{self.cdn_url}/blobs/{digest}?X-Signature={sig}&name={quote(path)}"
+        if self.linked_headers:
+            headers.update(
+                {
+                    "X-Linked-Size": str(len(data)),
+                    "X-Linked-Etag": f'"{digest}"',
+                    "ETag": f'"{digest}"',
+                }
+            )
         return web.Response(status=302, headers=headers)
 
     async def _tree(self, request: web.Request) -> web.Response:

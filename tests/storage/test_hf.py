@@ -92,6 +92,22 @@ async def test_reads_resolve_through_the_cdn_with_ranges(hub: HubServer) -> None
     assert all(f"/resolve/{sha}/" in r.path for r in hub_gets)  # pinned after the first answer
 
 
+async def test_redirect_without_linked_size_asks_the_far_host_without_the_token(
+    hub: HubServer,
+) -> None:
+    hub.linked_headers = False
+    hub.commit("org/mirror", _files())
+    storage = open_storage(
+        "hf://datasets/org/mirror", Settings(), {"endpoint_url": hub.url, "token": TOKEN}
+    )
+    try:
+        assert (await storage.head("data/big.bin")).size == len(BIG)
+    finally:
+        await storage.close()
+    heads = [r for r in hub.cdn_requests if r.method == "HEAD"]
+    assert len(heads) == 1 and "Authorization" not in heads[0].headers
+
+
 async def test_token_goes_to_the_hub_only_and_never_leaks(
     hub: HubServer, caplog: pytest.LogCaptureFixture
 ) -> None:
