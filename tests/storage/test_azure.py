@@ -251,3 +251,54 @@ async def test_block_upload_in_parallel_parts_commits_once(
         await storage.close()
     assert listing.body.count(b"<Block>") == 6  # five full blocks and a short last one
     assert b"<UncommittedBlocks/>" in listing.body or b"<UncommittedBlocks>" not in listing.body
+
+
+async def test_default_azure_credential_through_managed_identity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DefaultAzureCredential (azure-identity reads its own variables) on a loopback
+    App Service managed-identity endpoint; the bearer token reaches the blob endpoint."""
+    minted: list[dict[str, str]] = []
+    seen: list[str | None] = []
+
+    async def make_app() -> web.Application:
+        async def token(request: web.Request) -> web.Response:
+            minted.append({**request.query, "header": request.headers.get("X-IDENTITY-HEADER", "")})
+            expires = str(int(time.time()) + 3600)
+            return web.json_response(
+                {
+                    "access_token": "mi-token",
+                    "expires_on": expires,
+                    "resource": "https://storage.azure.com",
+                    "token_type": "Bearer",
+                }
+            )
+
+        async def blob(request: web.Request) -> web.Response:
+            seen.append(request.headers.get("Authorization"))
+            return web.Response(headers={"Content-Length": "0"})
+
+        app = web.Application()
+        app.router.add_get("/msi/token", token)
+        app.router.add_route("HEAD", "/{tail:.*}", blob)
+        return app
+
+    server = ServerThread(make_app, name="test-az-identity")
+    server.start()
+    for name in ("AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET", "AZURE_USERNAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("IDENTITY_ENDPOINT", server.url + "/msi/token")
+    monkeypatch.setenv("IDENTITY_HEADER", "identity-header")
+    storage = open_storage(
+        "az://data@acct/ds", Settings(), {"endpoint_url": server.url + "/acct"}, aws_env={}
+    )
+    try:
+        assert storage.auth.source == "DefaultAzureCredential"  # type: ignore[attr-defined]
+        await storage.head("a")
+        await storage.head("b")
+    finally:
+        await storage.close()
+        server.close()
+    assert seen == ["Bearer mi-token"] * 2
+    assert len(minted) == 1 and minted[0]["resource"] == "https://storage.azure.com"
+    assert minted[0]["header"] == "identity-header"
