@@ -109,6 +109,16 @@ class HfStorage(Storage):
         return self._commit
 
     @property
+    def pinned_url(self) -> str | None:
+        """This root at its pinned commit (``hf://datasets/org/name@<sha>[/path]``), for
+        other processes to open the very same files; None until pinned."""
+        if self._commit is None:
+            return None
+        return f"hf://datasets/{self.repo_id}@{self._commit}" + (
+            f"/{self.prefix}" if self.prefix else ""
+        )
+
+    @property
     def session_holder(self) -> SessionHolder:
         return self._sessions
 

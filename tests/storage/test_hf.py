@@ -153,8 +153,15 @@ async def test_revision_is_pinned_while_the_branch_moves(hub: HubServer) -> None
         assert (await reader.read("data/big.bin", 0, 2)) == b"v1"  # same commit throughout
         assert (await reader.head("data/big.bin")).etag == hub_etag(b"v1" + BIG)
         assert reader.commit == first  # type: ignore[attr-defined]
+        pinned = reader.pinned_url  # type: ignore[attr-defined]
+        assert pinned == f"hf://datasets/org/moving@{first}"
     finally:
         await reader.close()
+    again = open_storage(pinned, Settings(), {"endpoint_url": hub.url})
+    try:  # another process opening the pinned URL reads the same commit
+        assert await again.read("data/big.bin", 0, 2) == b"v1"
+    finally:
+        await again.close()
     for url, expected in (
         ("hf://datasets/org/moving", b"v2"),
         (f"hf://datasets/org/moving@{first}", b"v1"),
