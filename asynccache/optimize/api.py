@@ -1,8 +1,9 @@
 """``optimize``: convert ``fn(input)`` over many inputs into a dataset, straight into storage.
 
 The job is cut into shards (contiguous slices of ``inputs``). Ranks take shards
-``k % world_size == rank``; within a rank a spawn-safe process pool takes them one at a
-time (:func:`write_shard`). Global rank 0 holds the lease and is the finisher: once every
+``k % world_size == rank``; within a rank a process pool started from a clean process
+(forkserver, else spawn: :func:`pool_context`) takes them one at a time
+(:func:`write_shard`). Global rank 0 holds the lease and is the finisher: once every
 shard index is in the output, it merges them into ``index.json``, written last
 (:func:`merge_shards`). See docs/optimize.md.
 """
@@ -232,8 +233,8 @@ def merge_shards(
         index = _merged(job, base, parts)
         if lease is not None:
             lease.check()
-        call(jobs.put_bytes(storage, INDEX_NAME, index.to_json().encode()))
-        _clean_after_commit(storage, job, index, base)
+        call(jobs.put_bytes(storage, INDEX_NAME, index.to_json().encode(), job.settings))
+        _clean_after_commit(storage, job, index)
         return index
     finally:
         if own:
@@ -327,7 +328,7 @@ def _merged(job: Job, base: Index | None, parts: list[Index]) -> Index:
         raise BadIndexError(f"{job.url}: cannot merge shard indexes: {exc}") from exc
 
 
-def _clean_after_commit(storage: Storage, job: Job, index: Index, base: Index | None) -> None:
+def _clean_after_commit(storage: Storage, job: Job, index: Index) -> None:
     named = {c.filename for c in index.chunks}
     stale = [o.key for o in call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))]
     # chunks no index names: leftovers of a redone shard, and (overwrite) the old dataset's
@@ -360,6 +361,25 @@ def _check_args(chunk_bytes: int | str, compression: str | None, mode: str, on_e
 
 
 _worker_queue: Any = None
+#: Modules the fork server imports once, so each worker it forks starts warm.
+_PRELOAD = ["__main__", "asynccache.optimize.api"]
+
+
+def pool_context() -> Any:
+    """The multiprocessing context of the worker pool: ``forkserver``, else ``spawn``.
+
+    Both start workers from a clean process, never from the caller (whose threads, locks
+    and I/O loop must not be forked), so ``fn`` must be picklable and the caller's script
+    guarded by ``if __name__ == "__main__"``, as with ``spawn``. The fork server imports
+    asynccache (and torch) once per calling process; later pools fork from it, so a
+    worker's start costs milliseconds instead of an import of torch.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # ignored once a server runs: it already has them
+    return ctx
+
 
 
 def _init_worker(q: Any) -> None:
@@ -417,7 +437,7 @@ def _run_shards(
                 write_shard(job, fn, inputs[a:b], k, staging_dir=staging_dir, progress=bar.update)
             )
         return out
-    ctx = multiprocessing.get_context("spawn")
+    ctx = pool_context()
     q = ctx.Queue()
     results: list[ShardResult] = []
     todo = list(shards)
@@ -587,7 +607,11 @@ def optimize(
     bar.close()
     if run is not None:
         try:
-            index = run.merge() if not committed else _read_committed(run.storage)
+            if committed:  # an earlier run committed, then stopped before its cleanup
+                index = _read_committed(run.storage)
+                _clean_after_commit(run.storage, job, index)
+            else:
+                index = run.merge()
         except InputFailedError:
             run.discard()
             raise

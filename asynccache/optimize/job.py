@@ -41,7 +41,8 @@ import xxhash
 
 from ..bridge import get_loop_thread
 from ..config import Settings
-from ..errors import ObjectNotFoundError, WriteConflictError
+from ..download.retry import RetryPolicy
+from ..errors import ObjectNotFoundError, TransientError, WriteConflictError
 from ..format import INDEX_NAME, Index
 from ..storage import Storage, open_storage
 
@@ -76,13 +77,35 @@ def call(coro: Any, timeout: float = IO_BOUND_S) -> Any:
     return get_loop_thread().call(coro, timeout)
 
 
-async def put_bytes(storage: Storage, key: str, data: bytes) -> None:
-    """Store ``data`` as ``key`` (whole object; atomic on every backend)."""
+async def upload_retried(storage: Storage, src: str, key: str, settings: Settings) -> int:
+    """``storage.upload`` with the settings' retry budget for transient failures.
+
+    The storage contract's ``upload`` does not retry; a conversion of millions of objects
+    meets a 503 or a reset now and then. A PUT of the same bytes twice is harmless.
+    """
+    policy = RetryPolicy(settings.retries, settings.backoff_base_s, settings.backoff_max_s)
+    failures = 0
+    while True:
+        try:
+            return await storage.upload(src, key)
+        except TransientError as exc:
+            failures += 1
+            if not policy.should_retry(failures):
+                raise
+            wait = policy.delay(failures, getattr(exc, "retry_after", None))
+            log.info("%s: retrying upload in %.1fs: %s", storage.object_url(key), wait, exc)
+            await asyncio.sleep(wait)
+
+
+async def put_bytes(
+    storage: Storage, key: str, data: bytes, settings: Settings | None = None
+) -> None:
+    """Store ``data`` as ``key`` (whole object; atomic on every backend), with retries."""
     fd, tmp = tempfile.mkstemp(prefix="asynccache-put-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        await storage.upload(tmp, key)
+        await upload_retried(storage, tmp, key, settings or Settings())
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -27,12 +27,13 @@ from typing import Any
 
 from .._version import __version__
 from ..bridge import get_loop_thread
+from ..config import Settings
 from ..errors import CacheError, ConfigError, InputFailedError, StorageError
 from ..format import ChunkEntry, Index, build, encode, encoded_size
 from ..format.index import format_checksum, new_hasher
 from ..fsutil import atomic_write
 from ..storage import Storage
-from .job import IO_BOUND_S, Job, call, chunk_name, put_bytes, shard_key
+from .job import IO_BOUND_S, Job, call, chunk_name, put_bytes, shard_key, upload_retried
 
 #: Closed chunks waiting for upload per process, at most (staging disk <= this x chunk_bytes).
 STAGED_CHUNKS = 4
@@ -58,8 +59,10 @@ class ShardResult:
 class _Stager:
     """Stores closed chunks: in place for a local output, else staged and uploaded."""
 
-    def __init__(self, storage: Storage, staging_dir: str | None, limit: int) -> None:
-        self.storage = storage
+    def __init__(
+        self, storage: Storage, staging_dir: str | None, limit: int, settings: Settings
+    ) -> None:
+        self.storage, self.settings = storage, settings
         self.local_root = storage.local_path("x") is not None
         self.limit = max(1, limit)
         self._pending: collections.deque[concurrent.futures.Future[int]] = collections.deque()
@@ -83,7 +86,7 @@ class _Stager:
 
     async def _upload(self, path: str, key: str) -> int:
         try:
-            return await self.storage.upload(path, key)
+            return await upload_retried(self.storage, path, key, self.settings)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -153,7 +156,7 @@ def write_shard(
             f"got {len(inputs)}"
         )
     storage = job.open_storage()
-    stager = _Stager(storage, staging_dir, staged_chunks)
+    stager = _Stager(storage, staging_dir, staged_chunks, job.settings)
     entries: list[ChunkEntry] = []
     buf: list[list[memoryview | bytes]] = []
     buf_bytes = 0
@@ -244,7 +247,7 @@ def write_shard(
             "errors": errors,
         }
         idx = Index(tuple(entries), config, shard, job.gen)
-        call(put_bytes(storage, shard_key(job.gen, shard), idx.to_json().encode()))
+        call(put_bytes(storage, shard_key(job.gen, shard), idx.to_json().encode(), job.settings))
     finally:
         stager.close()
         with contextlib.suppress(Exception):

@@ -11,6 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from asynccache import StreamingDataset
+from asynccache.optimize.api import pool_context
 from tests.optimize import helpers
 from tests.optimize.ranks import rank_main
 
@@ -31,8 +32,11 @@ def test_two_nodes_write_every_output_exactly_once(objstore, bucket, tmp_path):
         os.makedirs(d)
     cfg = dict(url=url, storage_options=objstore.storage_options, node_dirs=node_dirs, n=N,
                workers=0)  # fmt: skip
+    # forkserver, as optimize's own pool: the ranks fork from a clean server process that
+    # imported asynccache once (pool_context sets that preload before the server starts)
+    pool_context()
     ctx = mp.start_processes(
-        rank_main, args=(2, free_port(), cfg), nprocs=2, join=False, start_method="spawn"
+        rank_main, args=(2, free_port(), cfg), nprocs=2, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + 200
     try:
