@@ -35,6 +35,11 @@ BENCHMARKS: list[tuple[str, str, list[str]]] = [
         ["--source", "streaming", "--total-mb", "128", "--chunk-mb", "8"],
     ),
     ("streaming_epoch", "streaming_epoch.py", ["--total-mb", "256", "--chunk-mb", "16"]),
+    (
+        "optimize_throughput",
+        "optimize_throughput.py",
+        ["--total-mb", "256", "--chunk-mb", "16", "--reps", "1"],
+    ),
 ]
 
 

@@ -381,7 +381,6 @@ def pool_context() -> Any:
     return ctx
 
 
-
 def _init_worker(q: Any) -> None:
     global _worker_queue
     _worker_queue = q

@@ -55,7 +55,7 @@ MODES = ("create", "overwrite", "append")
 #: A lease whose heartbeat is older than this is stale: its job is gone.
 LEASE_TTL_S = 60.0
 #: How long a new lease waits before reading it back (a racing job's write lands first).
-LEASE_SETTLE_S = 0.5
+LEASE_SETTLE_S = 0.25
 #: Outer bound on one storage call from sync code; each request has its own timeouts.
 IO_BOUND_S = 3600.0
 

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._version import __version__
-from ..bridge import get_loop_thread
 from ..config import Settings
 from ..errors import CacheError, ConfigError, InputFailedError, StorageError
 from ..format import ChunkEntry, Index, build, encode, encoded_size
@@ -35,8 +34,12 @@ from ..fsutil import atomic_write
 from ..storage import Storage
 from .job import IO_BOUND_S, Job, call, chunk_name, put_bytes, shard_key, upload_retried
 
-#: Closed chunks waiting for upload per process, at most (staging disk <= this x chunk_bytes).
-STAGED_CHUNKS = 4
+#: Closed chunks in hand per process, at most: written in the background (in memory
+#: until written, memory <= (this + 1) x chunk_bytes) and uploaded (staging disk <= this x
+#: chunk_bytes).
+STAGED_CHUNKS = 3
+#: Threads per process writing (and uploading) closed chunks while fn runs.
+_STORE_THREADS = 2
 #: Errors kept verbatim in a shard's report (the count is exact).
 MAX_REPORTED = 20
 
@@ -57,7 +60,14 @@ class ShardResult:
 
 
 class _Stager:
-    """Stores closed chunks: in place for a local output, else staged and uploaded."""
+    """Stores closed chunks in the background, so ``fn`` keeps running meanwhile.
+
+    A local output gets each chunk in place (temp file, fsync unless
+    ``ASYNCCACHE_DURABLE=0``, rename); a remote one gets it staged in ``staging_dir`` and
+    uploaded from there (with retries), the staged file deleted after. At most ``limit``
+    closed chunks are in hand at once (held in memory until written, on disk until
+    uploaded); ``put`` waits for the oldest beyond that.
+    """
 
     def __init__(
         self, storage: Storage, staging_dir: str | None, limit: int, settings: Settings
@@ -65,31 +75,49 @@ class _Stager:
         self.storage, self.settings = storage, settings
         self.local_root = storage.local_path("x") is not None
         self.limit = max(1, limit)
-        self._pending: collections.deque[concurrent.futures.Future[int]] = collections.deque()
+        self._pending: collections.deque[concurrent.futures.Future[tuple[int, str]]] = (
+            collections.deque()
+        )
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            _STORE_THREADS, thread_name_prefix="asynccache-stage"
+        )
         self._dir: str | None = None
         if not self.local_root:
             self._dir = tempfile.mkdtemp(prefix="asynccache-staging-", dir=staging_dir)
 
-    def put(self, name: str, pieces: Iterable[bytes | memoryview]) -> int:
+    def put(
+        self, name: str, items: list[list[memoryview | bytes]]
+    ) -> concurrent.futures.Future[tuple[int, str]]:
+        """Store a chunk of ``items``; the future gives its ``(size, checksum)``."""
+        while len(self._pending) >= self.limit:  # the staging bound
+            self._pending.popleft().result(IO_BOUND_S)
+        fut = self._threads.submit(self._store, name, items)
+        self._pending.append(fut)
+        return fut
+
+    def _store(self, name: str, items: list[list[memoryview | bytes]]) -> tuple[int, str]:
+        hasher = new_hasher()
+
+        def pieces() -> Iterable[bytes | memoryview]:
+            for p in build(items):
+                hasher.update(p)
+                yield p
+
         if self.local_root:
             path = self.storage.local_path(name)
             assert path is not None
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return atomic_write(path, pieces, fsync=True)
-        while len(self._pending) >= self.limit:  # the staging bound
-            self._pending.popleft().result(IO_BOUND_S)
+            size = atomic_write(path, pieces(), fsync=self.settings.durable)
+            return size, format_checksum(hasher)
         assert self._dir is not None
         path = os.path.join(self._dir, name)
-        size = atomic_write(path, pieces)
-        self._pending.append(get_loop_thread().submit(self._upload(path, name)))
-        return size
-
-    async def _upload(self, path: str, key: str) -> int:
+        size = atomic_write(path, pieces())
         try:
-            return await upload_retried(self.storage, path, key, self.settings)
+            call(upload_retried(self.storage, path, name, self.settings), IO_BOUND_S)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        return size, format_checksum(hasher)
 
     def drain(self) -> None:
         while self._pending:
@@ -98,6 +126,7 @@ class _Stager:
     def close(self) -> None:
         for fut in self._pending:
             fut.cancel()
+        self._threads.shutdown(wait=True, cancel_futures=True)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -157,11 +186,10 @@ def write_shard(
         )
     storage = job.open_storage()
     stager = _Stager(storage, staging_dir, staged_chunks, job.settings)
-    entries: list[ChunkEntry] = []
+    entries: list[tuple[str, int, int, concurrent.futures.Future[tuple[int, str]]]] = []
     buf: list[list[memoryview | bytes]] = []
     buf_bytes = 0
     items = 0
-    total_bytes = 0
     skipped = 0
     errors: list[str] = []
     skip = job.on_error == "skip"
@@ -169,24 +197,13 @@ def write_shard(
     last_report = time.monotonic()
 
     def flush() -> None:
-        nonlocal buf, buf_bytes, total_bytes
+        nonlocal buf, buf_bytes
         if not buf:
             return
         name = chunk_name(job.gen, shard, len(entries))
-        hasher = new_hasher()
-
-        def pieces() -> Iterable[bytes | memoryview]:
-            for p in build(buf):
-                hasher.update(p)
-                yield p
-
-        size = stager.put(name, pieces())
         first = items - len(buf)
-        entries.append(
-            ChunkEntry(name, len(buf), size, format_checksum(hasher), ((first, len(buf)),))
-        )
-        total_bytes += size
-        report[2] += size
+        entries.append((name, len(buf), first, stager.put(name, buf)))
+        report[2] += buf_bytes
         buf, buf_bytes = [], 0
 
     def add(pieces: list[memoryview | bytes]) -> None:
@@ -238,6 +255,11 @@ def write_shard(
                 last_report = now
         flush()
         stager.drain()
+        chunks = []
+        for name, count, first, fut in entries:
+            size, checksum = fut.result()
+            chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),)))
+        total_bytes = sum(c.bytes for c in chunks)
         config = {
             "chunk_bytes": job.chunk_bytes,
             "compression": job.compression,
@@ -246,7 +268,7 @@ def write_shard(
             "skipped": skipped,
             "errors": errors,
         }
-        idx = Index(tuple(entries), config, shard, job.gen)
+        idx = Index(tuple(chunks), config, shard, job.gen)
         call(put_bytes(storage, shard_key(job.gen, shard), idx.to_json().encode(), job.settings))
     finally:
         stager.close()
