@@ -102,6 +102,11 @@ class EpochPlan:
             return None
         return max(0, starts[i] - pos)
 
+    def read_before(self, chunk: int, reader: int, pos: int) -> bool:
+        """``reader`` at ``pos`` has started a run of ``chunk`` already."""
+        runs = self._uses.get(chunk, {}).get(reader)
+        return runs is not None and runs[0][0] < pos
+
     def first_use(self, chunk: int, reader: int) -> int | None:
         runs = self._uses.get(chunk, {}).get(reader)
         return runs[0][0] if runs else None
@@ -115,6 +120,7 @@ class _Class:
     distance: float  # positions to the next use, over this epoch and the next
     current: bool  # some reader reads it now
     this_epoch: bool  # some reader reads it again in its current epoch
+    held: bool = False  # read already in an epoch and read again in it: keep
 
 
 class PlanPolicy:
@@ -168,10 +174,17 @@ class PlanPolicy:
         return out
 
     def _classify(self, chunk: int, where: list[tuple[EpochPlan, int, int]]) -> _Class:
+        """Its next use; "this epoch" is the later of this process's epoch and the
+        reader's: a reader still finishing the last epoch needs this one's chunks too."""
         best, current, now = math.inf, False, False
+        read_in: set[int] = set()
+        needed_in: set[int] = set()
         for r, (p, pos, epoch) in enumerate(where):
+            if p.read_before(chunk, r, pos):
+                read_in.add(epoch)
             d = p.next_use(chunk, r, pos)
             if d is not None:
+                needed_in.add(epoch)
                 now = True
                 current = current or d == 0
                 best = min(best, d)
@@ -180,7 +193,8 @@ class PlanPolicy:
             first = nxt.first_use(chunk, r) if nxt is not None else None
             if first is not None:
                 best = min(best, p.streams[r].length - pos + first)
-        return _Class(best, current, now)
+                now = now or epoch < self.epoch
+        return _Class(best, current, now, current or bool(read_in & needed_in))
 
     def victims(self, own: Sequence[str], last_used: Mapping[str, float]) -> list[str]:
         """``own`` (this dataset's evictable chunk names) in the order to evict them."""
@@ -190,8 +204,9 @@ class PlanPolicy:
             ci = self.index.get(name)
             k = _Class(math.inf, False, False) if ci is None else self._classify(ci, where)
             # A chunk still to be read this epoch goes after every other: not fetching a
-            # chunk twice an epoch comes before starting the next epoch warm.
-            keyed.append((k.this_epoch, -k.distance, last_used.get(name, 0.0), name))
+            # chunk twice an epoch comes before starting the next epoch warm; last of all
+            # one read already this epoch and read again in it.
+            keyed.append((k.held, k.this_epoch, -k.distance, last_used.get(name, 0.0), name))
         keyed.sort()
         return [name for *_, name in keyed]
 

@@ -1,0 +1,78 @@
+"""Two gloo ranks x two workers share one cache smaller than the dataset: every chunk is
+fetched once per node per cold epoch, and the second epoch starts warm."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import pytest
+import torch.multiprocessing as mp
+
+from asynccache.testing.faults import FaultProxy
+from tests.budget_data import chunk_gets, fetched_bytes, write_remote
+from tests.distributed.budget_ranks import budget_rank_main
+from tests.distributed.test_ddp import free_port
+
+ITEMS = 1201  # 86 chunks; not a multiple of ranks x batch, so the last rank is padded
+WORLD = 2
+# (shuffle, budget as a fraction of the dataset); 1.0 is in tests/test_budget_gets.py
+RUNS = [(True, 0.25), (False, 0.5)]
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_two_ranks_fetch_each_chunk_once_per_cold_epoch(objstore, tmp_path):
+    remote = write_remote(objstore, str(tmp_path / "src"), f"ranks-{uuid.uuid4().hex[:8]}", ITEMS)
+    runs = RUNS
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        cfg = {
+            "url": remote.url,
+            "storage_options": dict(objstore.storage_options, endpoint_url=proxy.url),
+            "proxy": proxy.url,
+            "cache_dir": str(tmp_path / "cache"),
+            "out": str(tmp_path / "out"),
+            "total": remote.total,
+            "batch_size": 8,
+            "window": 2,
+            "runs": runs,
+        }
+        os.makedirs(cfg["out"])
+        ctx = mp.start_processes(
+            budget_rank_main,
+            args=(WORLD, free_port(), cfg),
+            nprocs=WORLD,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + 360
+        try:
+            while not ctx.join(timeout=1):
+                assert time.monotonic() < deadline, "the ranks did not finish: a hang"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        log = proxy.requests
+    ranks = []
+    for r in range(WORLD):
+        with open(os.path.join(cfg["out"], f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    # Split the proxy's log at rank 0's markers: one slice per epoch of each run.
+    slices, start = [], 0
+    for i, rec in enumerate(log):
+        if "epoch-marker" in rec.path:
+            slices.append(log[start:i])
+            start = i + 1
+    assert len(slices) == 2 * len(runs)
+    for k, (shuffle, fraction) in enumerate(runs):
+        budget = int(remote.total * fraction)
+        for epoch in range(2):
+            keys = ranks[0][2 * k + epoch] + ranks[1][2 * k + epoch]
+            assert set(keys) == set(range(ITEMS)), (shuffle, fraction, epoch)
+        cold, warm = chunk_gets(slices[2 * k]), chunk_gets(slices[2 * k + 1])
+        assert cold == dict.fromkeys(remote.chunk_names, 1), (shuffle, fraction, cold)
+        assert max(warm.values(), default=0) <= 1, (shuffle, fraction, warm)
+        again = fetched_bytes(warm, remote)
+        assert again <= 1.1 * max(0, remote.total - budget), (shuffle, fraction, again, budget)
