@@ -1,0 +1,123 @@
+"""The plan policy and the reader runs, pure: no server, no files but the board's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asynccache.cache.board import Board
+from asynccache.cache.plan import EpochPlan, PlanPolicy, Stream
+from asynccache.sampling.partition import Segment
+from asynccache.sampling.runs import reader_runs, reader_segments
+
+SIZE = 100
+
+
+def stream(runs: list[tuple[int, int, int]], length: int) -> Stream:
+    chunks, starts, ends = (np.array(x, dtype=np.int64) for x in zip(*runs, strict=True))
+    return Stream(chunks, starts, ends, length)
+
+
+def two_readers() -> EpochPlan:
+    # reader 0 reads chunks 0, 1, 2 then chunk 5 again at its end (chunk 5 is read in two
+    # runs); reader 1 reads 5, 3, 4. Each run is 10 positions.
+    return EpochPlan(
+        [
+            stream([(0, 0, 10), (1, 10, 20), (2, 20, 30), (5, 30, 40)], 40),
+            stream([(5, 0, 10), (3, 10, 20), (4, 20, 30)], 30),
+        ],
+        [SIZE] * 6,
+    )
+
+
+def policy(plan: EpochPlan, positions, following: EpochPlan | None = None) -> PlanPolicy:
+    plans = {(0, 0): plan, (1, 0): following or plan}
+    return PlanPolicy(
+        [f"chunk-0-{i}.bin" for i in range(6)],
+        lambda e, v: plans.get((e, v)),
+        epoch=0,
+        variant=0,
+        readers=2,
+        positions=lambda: positions,
+    )
+
+
+def test_minimum_is_each_readers_overlap_plus_chunks_read_in_two_runs():
+    plan = two_readers()
+    assert plan.shared == {5}
+    assert plan.min_bytes == 2 * SIZE + SIZE  # one chunk at a time each, plus chunk 5
+    overlapping = EpochPlan([stream([(0, 0, 10), (1, 2, 12), (2, 12, 20)], 20)], [SIZE] * 3)
+    assert overlapping.min_bytes == 2 * SIZE
+
+
+def test_victims_consumed_first_then_furthest_and_a_chunk_read_again_last():
+    plan = two_readers()
+    # reader 0 is at 20 (reading chunk 2), reader 1 at 10 (reading chunk 3).
+    p = policy(plan, [(0, 0, 20), (0, 0, 10)])
+    names = [f"chunk-0-{i}.bin" for i in (0, 1, 4, 5)]
+    order = p.victims(names, {})
+    # 0 and 1 are consumed (not needed this epoch), 4 is read later (distance 10), 5 was
+    # read by reader 1 and is read again by reader 0: kept last.
+    assert order[-2:] == ["chunk-0-4.bin", "chunk-0-5.bin"]
+    assert set(order[:2]) == {"chunk-0-0.bin", "chunk-0-1.bin"}
+
+
+def test_consumed_chunks_go_in_the_order_the_next_epoch_reads_them_last_first():
+    plan = two_readers()
+    nxt = EpochPlan([stream([(1, 0, 10), (0, 10, 20)], 20), stream([(3, 0, 10)], 10)], [SIZE] * 6)
+    p = policy(plan, [(0, 0, 30), (0, 0, 25)], following=nxt)
+    order = p.victims(["chunk-0-0.bin", "chunk-0-1.bin"], {})
+    assert order == ["chunk-0-0.bin", "chunk-0-1.bin"]  # chunk 1 is read first next epoch
+
+
+def test_a_reader_finishing_the_last_epoch_keeps_what_it_reads_in_this_one():
+    plan = two_readers()
+    # This process is in epoch 1; reader 1 has not left epoch 0's end yet: chunk 3, which
+    # it reads early in epoch 1, is "this epoch", behind a chunk nobody needs until epoch 2.
+    plans = {(0, 0): plan, (1, 0): plan, (2, 0): plan}
+    p = PlanPolicy(
+        [f"chunk-0-{i}.bin" for i in range(6)],
+        lambda e, v: plans.get((e, v)),
+        epoch=1,
+        variant=0,
+        readers=2,
+        positions=lambda: [(1, 0, 30), (0, 0, 30)],
+    )
+    assert p.victims(["chunk-0-3.bin", "chunk-0-0.bin"], {}) == ["chunk-0-0.bin", "chunk-0-3.bin"]
+
+
+def test_prefetch_room_is_the_budget_less_the_minimum():
+    plan = two_readers()
+    p = policy(plan, [(0, 0, 0), (0, 0, 0)])
+    budget = plan.min_bytes + SIZE  # room for one chunk ahead
+    assert p.admits("chunk-0-1.bin", SIZE, ["chunk-0-0.bin", "chunk-0-5.bin"], budget)
+    assert not p.admits("chunk-0-2.bin", SIZE, ["chunk-0-0.bin", "chunk-0-1.bin"], budget)
+    # What a reader reads now, and a chunk read in two runs, are always admitted.
+    assert p.admits("chunk-0-5.bin", SIZE, ["chunk-0-1.bin", "chunk-0-2.bin"], plan.min_bytes)
+    assert not p.fits_whole(budget)
+    assert p.fits_whole(plan.min_bytes + 6 * SIZE)
+
+
+def test_runs_split_at_gaps_and_order_by_start():
+    # keys 0..9 in chunk 0, 10..19 in chunk 1; the reader reads 0..4, 10..14, then 0..2.
+    segs = [Segment(0, 5), Segment(10, 15), Segment(0, 3, pad=True)]
+    runs = reader_runs(segs, lambda a, b: np.arange(a, b), lambda k: k // 10, gap=1)
+    assert runs.chunks.tolist() == [0, 1, 0]
+    assert runs.starts.tolist() == [0, 5, 10]
+    assert runs.ends.tolist() == [5, 10, 13]
+    assert runs.length == 13
+
+
+def test_reader_segments_cover_the_epoch_once_per_rank_and_worker():
+    segs = reader_segments([(0, 100)], world=2, num_workers=2, batch_size=8, drop_last=True)
+    assert len(segs) == 4
+    covered = sorted(p for s in segs for seg in s for p in range(seg.start, seg.end))
+    assert covered == list(range(100))
+
+
+def test_board_slots_round_trip_and_unknown_reads_as_none(tmp_path):
+    board = Board(str(tmp_path / "plan-x.board"), 3)
+    assert board.read() == [None, None, None]
+    board.write(1, 4, 0, 123)
+    board.write(2, 4, 7, 5)
+    assert board.read() == [None, (4, 0, 123), (4, 7, 5)]
+    board.close()
