@@ -35,6 +35,7 @@ BENCHMARKS: list[tuple[str, str, list[str]]] = [
         ["--source", "streaming", "--total-mb", "128", "--chunk-mb", "8"],
     ),
     ("streaming_epoch", "streaming_epoch.py", ["--total-mb", "256", "--chunk-mb", "16"]),
+    ("budget_epochs", "budget_epochs.py", ["--total-mb", "128", "--chunk-mb", "1", "--reps", "1"]),
     (
         "optimize_throughput",
         "optimize_throughput.py",
