@@ -9,6 +9,8 @@ count ``w`` in ``--workers``:
 * raw PUT limit: the same bytes as ``--chunk-mb`` MiB objects PUT by a bare aiohttp loop
   (SigV4, unsigned payload) with ``w`` PUTs in flight (the payload prebuilt in memory: no
   generation, no encoding, no staging);
+* raw local write: the same bytes as chunk-sized files, each written and fsynced in turn
+  (what a local ``optimize`` must do with every chunk);
 * ``optimize`` to a local directory (``num_workers=w``);
 * ``optimize`` to SeaweedFS on loopback (``num_workers=w``), chunks staged on local disk
   and uploaded as they close.
@@ -18,7 +20,7 @@ started (and reported) before the first repetition, so no figure includes that i
 The start of a warm pool of ``w`` is shown per repetition.
 
 Reported: MB/s median (min-max) and the ratios, within each repetition:
-local / (vi); S3 / raw PUT; S3 / min((vi), raw PUT) (the pipeline's own ceiling on this box,
+local / (vi); local / min((vi), raw write); S3 / raw PUT; S3 / min((vi), raw PUT) (the pipeline's own ceiling on this box,
 where the generator, the upload and the object store share the cores).
 
     python benchmarks/optimize_throughput.py [--total-mb 1024] [--item-kb 100] \
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import os
 import shutil
 import statistics
 import sys
@@ -85,6 +88,21 @@ def fn_alone(n: int, workers: int, shards: int) -> float:
         total = sum(pool.map(_fn_only, cuts))
     assert total == n * ITEM_BYTES
     return time.perf_counter() - t0
+
+
+def raw_write(directory: Path, sizes: list[int]) -> float:
+    """Seconds to write the same bytes as chunk-sized files, each fsynced (the disk limit)."""
+    payload = np.random.default_rng(1).bytes(max(sizes))
+    directory.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for k, size in enumerate(sizes):
+        with open(directory / f"raw-{k}.bin", "wb") as f:
+            f.write(memoryview(payload)[:size])
+            f.flush()
+            os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(directory)
+    return elapsed
 
 
 async def _raw_put(store: ObjectStore, bucket: str, sizes: list[int], conc: int) -> float:
@@ -149,6 +167,7 @@ def main() -> None:
                         [payload % chunk] if payload % chunk else []
                     )
                     t_put = asyncio.run(_raw_put(store, bucket, sizes, w))
+                    t_disk = raw_write(work / "raw", sizes)
                     out = work / f"local-{rep}-{w}"
                     t0 = time.perf_counter()
                     optimize(make_item, range(n), str(out), num_workers=w, chunk_bytes=chunk,
@@ -165,6 +184,7 @@ def main() -> None:
                     timed = {
                         "(vi) fn alone": t_fn,
                         "raw PUT": t_put,
+                        "raw write+fsync": t_disk,
                         "optimize local": t_local,
                         "optimize S3": t_s3,
                     }
@@ -172,6 +192,7 @@ def main() -> None:
                         rows.setdefault(f"{name}|{w}", []).append(mb / t)
                     got = {
                         "local / (vi)": t_fn / t_local,
+                        "local / min((vi), write)": max(t_fn, t_disk) / t_local,
                         "S3 / raw PUT": t_put / t_s3,
                         "S3 / min((vi), PUT)": max(t_fn, t_put) / t_s3,
                     }
@@ -179,7 +200,8 @@ def main() -> None:
                         ratios.setdefault(f"{name}|{w}", []).append(r)
                     print(
                         f"rep {rep} workers {w}: pool start {t_start:.2f}s fn {t_fn:.2f}s "
-                        f"put {t_put:.2f}s local {t_local:.2f}s s3 {t_s3:.2f}s",
+                        f"put {t_put:.2f}s write {t_disk:.2f}s local {t_local:.2f}s "
+                        f"s3 {t_s3:.2f}s",
                         flush=True,
                     )
     finally:
