@@ -84,3 +84,10 @@ def ran(log_dir: str) -> list[int]:
 
 def small(i: int) -> Any:
     return i
+
+
+def bad_on_85(i: int) -> Any:
+    """Fails on input 85 (in shard 7 of 8: rank 1 of 2)."""
+    if i == 85:
+        raise ValueError("unreadable record")
+    return {"i": i}

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asynccache import optimize
+from asynccache import InputFailedError, optimize
 from asynccache.config import Settings
 from tests.optimize import helpers
 
@@ -20,16 +20,22 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     )
     try:
         own = cfg["node_dirs"][rank]  # this "node"'s private disk: nothing else is shared
-        res = optimize(
-            helpers.items,
-            list(range(cfg["n"])),
-            cfg["url"],
-            num_workers=cfg["workers"],
-            chunk_bytes=2048,
-            storage_options=cfg["storage_options"],
-            staging_dir=own,
-            settings=Settings.from_env(progress=False),
-        )
+        fn = getattr(helpers, cfg.get("fn", "items"))
+        try:
+            res = optimize(
+                fn,
+                list(range(cfg["n"])),
+                cfg["url"],
+                num_workers=cfg["workers"],
+                chunk_bytes=2048,
+                storage_options=cfg["storage_options"],
+                staging_dir=own,
+                settings=Settings.from_env(progress=False),
+            )
+        except InputFailedError as exc:
+            with open(os.path.join(own, "result.json"), "w") as f:
+                json.dump({"error": str(exc), "staged_left": sorted(os.listdir(own))}, f)
+            return
         out = {
             "inputs": res.inputs,
             "generation": res.index.config["generation"],

@@ -25,13 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_write_every_output_exactly_once(objstore, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    node_dirs = [str(tmp_path / f"node{r}") for r in range(2)]
-    for d in node_dirs:
-        os.makedirs(d)
-    cfg = dict(url=url, storage_options=objstore.storage_options, node_dirs=node_dirs, n=N,
-               workers=0)  # fmt: skip
+def launch(cfg: dict) -> list[dict]:
+    """Run 2 ranks to completion (bounded); each rank's result.json."""
     # forkserver, as optimize's own pool: the ranks fork from a clean server process that
     # imported asynccache once (pool_context sets that preload before the server starts)
     pool_context()
@@ -47,9 +42,24 @@ def test_two_nodes_write_every_output_exactly_once(objstore, bucket, tmp_path):
             if p.is_alive():
                 p.kill()
     results = []
-    for d in node_dirs:
+    for d in cfg["node_dirs"]:
         with open(os.path.join(d, "result.json")) as f:
             results.append(json.load(f))
+    return results
+
+
+def node_dirs(tmp_path) -> list[str]:
+    out = [str(tmp_path / f"node{r}") for r in range(2)]
+    for d in out:
+        os.makedirs(d)
+    return out
+
+
+def test_two_nodes_write_every_output_exactly_once(objstore, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    cfg = dict(url=url, storage_options=objstore.storage_options, node_dirs=node_dirs(tmp_path),
+               n=N, workers=0)  # fmt: skip
+    results = launch(cfg)
     # each rank converted its own shards, both returned after the one commit
     assert all(r["inputs"] > 0 for r in results)
     assert sum(r["inputs"] for r in results) == N
@@ -63,3 +73,22 @@ def test_two_nodes_write_every_output_exactly_once(objstore, bucket, tmp_path):
     finally:
         ds.close()
     assert got == helpers.expected(list(range(N)))  # every fn output exactly once, in order
+
+
+def test_an_input_failing_on_one_node_stops_both_and_leaves_nothing(objstore, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    cfg = dict(url=url, storage_options=objstore.storage_options, node_dirs=node_dirs(tmp_path),
+               n=N, workers=0, fn="bad_on_85")  # fmt: skip
+    results = launch(cfg)
+    # input 85 is in shard 7 (78-89), rank 1's; rank 0 (the finisher) reports it too
+    assert all("input #85" in r.get("error", "") for r in results), results
+    assert all("unreadable record" in r["error"] for r in results)
+    from asynccache.config import Settings
+    from asynccache.optimize.job import call
+    from asynccache.storage import open_storage
+
+    storage = open_storage(url, Settings.from_env(progress=False), objstore.storage_options)
+    try:
+        assert call(storage.list()) == []  # chunks, shard indexes, plan, lease: all gone
+    finally:
+        call(storage.close())
