@@ -336,11 +336,10 @@ def remove_empty_work_dir(storage: Storage) -> None:
     if path is None:
         return
     work = os.path.dirname(path)
-    for sub in os.scandir(work) if os.path.isdir(work) else ():
-        if sub.is_dir():
-            with contextlib.suppress(OSError):
-                os.rmdir(sub.path)
     with contextlib.suppress(OSError):
+        for name in os.listdir(work):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(work, name))  # only empty directories go
         os.rmdir(work)
 
 
