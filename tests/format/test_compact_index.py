@@ -11,7 +11,7 @@ import numpy as np
 
 from asynccache import CacheDataLoader
 from asynccache.format import ChunkView, decode
-from asynccache.writer import SORTED_WRITER, ChunkWriter, merge_dir, read_index
+from asynccache.writer import SORTED_WRITER, ChunkWriter, merge_dir, read_index, remove_partial
 from tests.loader.datasets import DictDataset
 
 # 100k tiny items written shuffled: one [key, 1] run each would be ~31 bytes x 100k = 3 MB.
@@ -80,3 +80,16 @@ def test_shuffled_writing_epoch_of_the_loader_gives_one_run_per_chunk(tmp_path):
     assert all(got[k]["i"] == k and got[k]["name"] == f"item-{k}" for k in range(n))
     # and the second epoch reads the rewritten chunks
     assert sorted(int(i) for batch in dl for i in batch["i"]) == list(range(n))
+
+
+def test_a_rewrite_cut_short_is_cleared_by_the_next_pass(tmp_path):
+    """A crash during the rewrite leaves no index.json: remove_partial clears its chunks."""
+    d = str(tmp_path)
+    w = ChunkWriter(d, 0, chunk_size=4)
+    for k in [5, 0, 7, 2, 1, 6, 3, 4]:
+        w.add(k, k)
+    w.finish()
+    with open(os.path.join(d, f"chunk-{SORTED_WRITER}-0.bin"), "wb") as f:
+        f.write(b"half a rewritten chunk")
+    remove_partial(d)
+    assert os.listdir(d) == []
