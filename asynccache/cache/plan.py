@@ -27,7 +27,6 @@ the store asks under its eviction lock:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,18 +63,15 @@ class EpochPlan:
     def __init__(self, streams: Sequence[Stream], sizes: Sequence[int]) -> None:
         self.streams = list(streams)
         self.sizes = list(sizes)
-        # chunk -> reader -> (starts, ends) of its runs, ordered
-        self._uses: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
-        runs_of: dict[int, int] = {}
-        for r, s in enumerate(self.streams):
-            for c, a, b in zip(s.chunks.tolist(), s.starts.tolist(), s.ends.tolist(), strict=True):
-                starts, ends = self._uses.setdefault(c, {}).setdefault(r, ([], []))
-                starts.append(a)
-                ends.append(b)
-                runs_of[c] = runs_of.get(c, 0) + 1
-        self.shared = frozenset(c for c, n in runs_of.items() if n > 1)
-        self.peaks = [self._peak(s) for s in self.streams]
+        n = len(self.sizes)
+        runs = np.zeros(n, dtype=np.int64)
+        for st in self.streams:
+            runs += np.bincount(st.chunks, minlength=n)[:n]
+        self.shared = frozenset(np.flatnonzero(runs > 1).tolist())
+        self.shared_mask = runs > 1
+        self.peaks = [self._peak(st) for st in self.streams]
         self.min_bytes = sum(self.peaks) + sum(self.sizes[c] for c in self.shared)
+        self._first: dict[int, np.ndarray] = {}
 
     def _peak(self, s: Stream) -> int:
         """The most bytes of this reader's runs that overlap at one position."""
@@ -90,37 +86,26 @@ class EpochPlan:
             peak = max(peak, held)
         return peak
 
-    def next_use(self, chunk: int, reader: int, pos: int) -> int | None:
-        """Positions until ``reader`` at ``pos`` reads ``chunk`` (0: it reads it now), or
-        None when it does not read it again this epoch."""
-        runs = self._uses.get(chunk, {}).get(reader)
-        if runs is None:
-            return None
-        starts, ends = runs
-        i = bisect.bisect_right(ends, pos)  # the first run that has not ended
-        if i == len(ends):
-            return None
-        return max(0, starts[i] - pos)
-
-    def read_before(self, chunk: int, reader: int, pos: int) -> bool:
-        """``reader`` at ``pos`` has started a run of ``chunk`` already."""
-        runs = self._uses.get(chunk, {}).get(reader)
-        return runs is not None and runs[0][0] < pos
-
-    def first_use(self, chunk: int, reader: int) -> int | None:
-        runs = self._uses.get(chunk, {}).get(reader)
-        return runs[0][0] if runs else None
-
-    def readers_of(self, chunk: int) -> Iterable[int]:
-        return self._uses.get(chunk, {}).keys()
+    def first_starts(self, reader: int) -> np.ndarray:
+        """Per chunk, where ``reader`` first reads it (inf: never)."""
+        got = self._first.get(reader)
+        if got is None:
+            st = self.streams[reader]
+            got = np.full(len(self.sizes), np.inf)
+            np.minimum.at(got, st.chunks, st.starts.astype(np.float64))
+            self._first[reader] = got
+        return got
 
 
 @dataclasses.dataclass
-class _Class:
-    distance: float  # positions to the next use, over this epoch and the next
-    current: bool  # some reader reads it now
-    this_epoch: bool  # some reader reads it again in its current epoch
-    held: bool = False  # read already in an epoch and read again in it: keep
+class _Table:
+    """Every chunk's standing, by chunk number, from where the readers are now."""
+
+    distance: np.ndarray  # positions to the next use, over this epoch and the next
+    current: np.ndarray  # some reader reads it now
+    this_epoch: np.ndarray  # some reader reads it again in its current epoch
+    held: np.ndarray  # read already in an epoch and read again in it (or now): keep
+    shared: np.ndarray  # read in two runs in some reader's epoch
 
 
 class PlanPolicy:
@@ -173,40 +158,53 @@ class PlanPolicy:
                 out.append((p, min(at[2], p.streams[r].length), at[0]))
         return out
 
-    def _classify(self, chunk: int, where: list[tuple[EpochPlan, int, int]]) -> _Class:
-        """Its next use; "this epoch" is the later of this process's epoch and the
-        reader's: a reader still finishing the last epoch needs this one's chunks too."""
-        best, current, now = math.inf, False, False
-        read_in: set[int] = set()
-        needed_in: set[int] = set()
-        for r, (p, pos, epoch) in enumerate(where):
-            if p.read_before(chunk, r, pos):
-                read_in.add(epoch)
-            d = p.next_use(chunk, r, pos)
-            if d is not None:
-                needed_in.add(epoch)
-                now = True
-                current = current or d == 0
-                best = min(best, d)
-                continue
+    def _table(self) -> _Table:
+        """Where every chunk stands. "This epoch" is the later of this process's epoch and
+        the reader's: a reader still finishing the last epoch needs this one's chunks too."""
+        n = len(self.sizes)
+        distance = np.full(n, np.inf)
+        this_epoch = np.zeros(n, dtype=bool)
+        shared = np.zeros(n, dtype=bool)
+        read_in: dict[int, np.ndarray] = {}
+        needed_in: dict[int, np.ndarray] = {}
+        for r, (p, pos, epoch) in enumerate(self._where()):
+            st = p.streams[r]
+            shared |= p.shared_mask
+            open_ = st.ends > pos
+            mine = np.full(n, np.inf)
+            np.minimum.at(mine, st.chunks[open_], np.maximum(st.starts[open_] - pos, 0))
+            again = np.isfinite(mine)
+            distance = np.minimum(distance, mine)
+            this_epoch |= again
+            needed_in.setdefault(epoch, np.zeros(n, dtype=bool))[again] = True
+            read_in.setdefault(epoch, np.zeros(n, dtype=bool))[st.chunks[st.starts < pos]] = True
             nxt = self.plans(epoch + 1, 0)
-            first = nxt.first_use(chunk, r) if nxt is not None else None
-            if first is not None:
-                best = min(best, p.streams[r].length - pos + first)
-                now = now or epoch < self.epoch
-        return _Class(best, current, now, current or bool(read_in & needed_in))
+            if nxt is not None and r < len(nxt.streams):
+                first = nxt.first_starts(r)
+                later = np.where(again, np.inf, st.length - pos + first)
+                distance = np.minimum(distance, later)
+                if epoch < self.epoch:
+                    this_epoch |= np.isfinite(later)
+        current = distance == 0
+        held = current.copy()
+        for epoch, read in read_in.items():
+            held |= read & needed_in.get(epoch, np.zeros(n, dtype=bool))
+        return _Table(distance, current, this_epoch, held, shared)
 
     def victims(self, own: Sequence[str], last_used: Mapping[str, float]) -> list[str]:
         """``own`` (this dataset's evictable chunk names) in the order to evict them."""
-        where = self._where()
+        t = self._table()
         keyed = []
         for name in own:
             ci = self.index.get(name)
-            k = _Class(math.inf, False, False) if ci is None else self._classify(ci, where)
-            # A chunk still to be read this epoch goes after every other: not fetching a
-            # chunk twice an epoch comes before starting the next epoch warm; last of all
-            # one read already this epoch and read again in it.
-            keyed.append((k.held, k.this_epoch, -k.distance, last_used.get(name, 0.0), name))
+            if ci is None:
+                key: tuple[bool, bool, float] = (False, False, -math.inf)
+            else:
+                # A chunk still to be read this epoch goes after every other: not fetching
+                # a chunk twice an epoch comes before starting the next epoch warm; last of
+                # all one read already this epoch and read again in it.
+                key = (bool(t.held[ci]), bool(t.this_epoch[ci]), -float(t.distance[ci]))
+            keyed.append((*key, last_used.get(name, 0.0), name))
         keyed.sort()
         return [name for *_, name in keyed]
 
@@ -222,22 +220,16 @@ class PlanPolicy:
         ``budget - min_bytes``. What a reader reads now, and chunks read in two runs, are
         covered by ``min_bytes`` and always admitted.
         """
-        where = self._where()
-        shared: set[int] = set()
-        for p, _, _ in where:
-            shared |= p.shared
         ci = self.index.get(name)
         if ci is None:
             return True  # not in the plan: not a prefetch the plan asked for
-        mine = self._classify(ci, where)
-        if mine.current or ci in shared:
+        t = self._table()
+        if t.current[ci] or t.shared[ci]:
             return True
-        ahead = 0
-        for other in set(present) - {name}:
-            oi = self.index.get(other)
-            if oi is None or oi in shared:
-                continue
-            k = self._classify(oi, where)
-            if k.this_epoch and not k.current:
-                ahead += self.sizes[oi]
+        ahead_mask = t.this_epoch & ~t.current & ~t.shared
+        ahead = sum(
+            self.sizes[oi]
+            for oi in (self.index.get(other) for other in present if other != name)
+            if oi is not None and ahead_mask[oi]
+        )
         return ahead + size <= budget - self.min_bytes
