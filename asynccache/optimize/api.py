@@ -254,8 +254,7 @@ def _wait_for_shards(storage: Storage, job: Job, stall_s: float) -> None:
         work = call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))
         failed = [o.key for o in work if "/failed-" in o.key]
         if failed:
-            doc = call(get_json(storage, failed[0])) or {}
-            raise InputFailedError(str(doc.get("error", f"{failed[0]}: a shard failed")))
+            _raise_failure(storage, job, failed[0])
         have = {o.key for o in work}
         missing = [k for k in range(job.num_shards) if shard_key(job.gen, k) not in have]
         if not missing:
@@ -596,10 +595,13 @@ def optimize(
             run.discard()
             run.close()
         else:
-            _post_failure(job, rank, str(exc))
+            _post_failure(job, rank, str(exc), "input")
         raise
-    except BaseException:
+    except BaseException as exc:
         bar.close()
+        if world > 1:  # the other ranks would wait for this one's shards: tell them
+            with contextlib.suppress(Exception):
+                _post_failure(job, rank, f"{type(exc).__name__}: {exc}", "stopped")
         if run is not None:
             run.close()  # files stay: a rerun resumes
         raise
@@ -638,15 +640,27 @@ def _read_committed(storage: Storage) -> Index:
     return idx
 
 
-def _post_failure(job: Job, rank: int, message: str) -> None:
+def _post_failure(job: Job, rank: int, message: str, kind: str) -> None:
+    """Tell the other ranks this rank stopped: ``kind`` "input" (fn failed) or "stopped"."""
     storage = job.open_storage()
+    doc = {"error": message, "kind": kind, "rank": rank}
     try:
-        call(
-            jobs.put_bytes(storage, _failed_key(job, rank), json.dumps({"error": message}).encode())
-        )
+        call(jobs.put_bytes(storage, _failed_key(job, rank), json.dumps(doc).encode()))
     finally:
         with contextlib.suppress(Exception):
             call(storage.close(), 30.0)
+
+
+def _raise_failure(storage: Storage, job: Job, key: str) -> None:
+    """Raise what the rank that posted ``key`` stopped with."""
+    doc = call(get_json(storage, key)) or {}
+    message = str(doc.get("error", f"{storage.object_url(key)}: a rank stopped"))
+    if doc.get("kind", "input") == "input":
+        raise InputFailedError(message)
+    raise WorkerDiedError(
+        f"{job.url}: rank {doc.get('rank')} stopped ({message}); the finished shards are "
+        "kept: rerun with the same arguments to resume"
+    )
 
 
 def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
@@ -663,8 +677,7 @@ def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
             work = call(storage.list(f"{WORK_PREFIX}/"))
             failed = [o.key for o in work if o.key.startswith(f"{WORK_PREFIX}/{job.gen}/failed-")]
             if failed:
-                doc = call(get_json(storage, failed[0])) or {}
-                raise InputFailedError(str(doc.get("error", "another rank failed")))
+                _raise_failure(storage, job, failed[0])
             plan = call(get_json(storage, JOB_KEY)) if any(o.key == JOB_KEY for o in work) else None
             if plan is None or plan.get("gen") != job.gen:
                 idx = call(jobs.read_index(storage))  # committed just now, or given up

@@ -396,6 +396,8 @@ def start(
             return job, True
         if plan.get("base_checksum") == base:
             listing = call(storage.list(f"{WORK_PREFIX}/{gen}/"))
+            stale = [o.key for o in listing if "/failed-" in o.key]  # from the stopped run
+            call(delete_many(storage, stale))
             done = frozenset(
                 int(o.key.rsplit("shard-", 1)[1].split(".", 1)[0])
                 for o in listing

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asynccache import InputFailedError, optimize
+from asynccache import AsyncCacheError, optimize
 from asynccache.config import Settings
 from tests.optimize import helpers
 
@@ -32,9 +32,10 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                 staging_dir=own,
                 settings=Settings.from_env(progress=False),
             )
-        except InputFailedError as exc:
+        except AsyncCacheError as exc:
             with open(os.path.join(own, "result.json"), "w") as f:
-                json.dump({"error": str(exc), "staged_left": sorted(os.listdir(own))}, f)
+                doc = {"error": str(exc), "type": type(exc).__name__}
+                json.dump({**doc, "staged_left": sorted(os.listdir(own))}, f)
             return
         out = {
             "inputs": res.inputs,

@@ -83,6 +83,7 @@ def test_an_input_failing_on_one_node_stops_both_and_leaves_nothing(objstore, bu
     # input 85 is in shard 7 (78-89), rank 1's; rank 0 (the finisher) reports it too
     assert all("input #85" in r.get("error", "") for r in results), results
     assert all("unreadable record" in r["error"] for r in results)
+    assert [r["type"] for r in results] == ["InputFailedError"] * 2
     from asynccache.config import Settings
     from asynccache.optimize.job import call
     from asynccache.storage import open_storage
