@@ -75,6 +75,17 @@ class _Progress:
         return _Progress(self.epoch, tuple(rest), world, num_workers, batch_size, 0)
 
 
+def _shared_bytes(n: int) -> torch.Tensor:
+    """``n`` zero bytes of shared memory, read and written through numpy views only.
+
+    Created directly as shared memory (zero-filled by the kernel) rather than with
+    ``torch.zeros(...).share_memory_()``: filling or copying that many bytes runs on
+    torch's intra-op (OpenMP) pool, which hangs in a process forked from one that used it.
+    """
+    storage = torch.UntypedStorage._new_shared(n)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
 def _drop(segments: tuple[Segment, ...], n: int) -> list[Segment]:
     """``segments`` without their first ``n`` positions."""
     out = []
@@ -170,10 +181,7 @@ class StreamingDataset(IterableDataset[Any]):
         self._rank_world = distributed.rank_and_world()
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
-        self._shared = torch.zeros(
-            _STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8, dtype=torch.uint8
-        )
-        self._shared.share_memory_()
+        self._shared = _shared_bytes(_STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8)
         self._expect = 0  # the counter value this process last wrote or advanced to
         self._pending: tuple[_Progress, int] | None = None  # a worker's loaded state
         self._skip = 0  # items this worker had yielded of its run before a resume
