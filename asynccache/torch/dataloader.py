@@ -248,7 +248,9 @@ class CacheDataLoader(DataLoader[Any]):
         for name in _UNSUPPORTED:
             if kwargs.pop(name, None) is not None:
                 raise ConfigError(
-                    f"CacheDataLoader orders items itself (shuffle, seed); {name}= is not supported"
+                    f"CacheDataLoader orders items itself (shuffle, seed) and splits them over "
+                    f"ranks; {name}= is not supported (with Lightning's DDP: "
+                    "Trainer(use_distributed_sampler=False))"
                 )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
