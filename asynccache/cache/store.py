@@ -251,17 +251,24 @@ class ChunkStore:
             return usage.fs_room(self.cache_dir)
 
     def _reserve_locked(self, fd: int, name: str, size: int, ahead: bool = False) -> TempFile:
+        ledger = usage.read_ledger(fd)
+        now = time.time()
         policy = self.policy
         if (
             ahead
             and policy is not None
             and not policy.fits_whole(self.max_cache_bytes)
+            # The whole cache, this chunk included, within the prefetch room: so is what
+            # this dataset has fetched ahead (no need to look).
+            and not (
+                ledger is not None
+                and ledger.trusted(now)
+                and ledger.used + size <= self.max_cache_bytes - policy.min_bytes
+            )
             and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
         ):
             raise Deferred(name)
         room = self._room()
-        ledger = usage.read_ledger(fd)
-        now = time.time()
         if (
             ledger is not None
             and ledger.trusted(now)
