@@ -1,5 +1,7 @@
 """asynccache: train PyTorch models on datasets that live in object storage."""
 
+import typing
+
 from ._version import __version__
 from .config import Settings
 from .download.stats import DownloadStats
@@ -32,11 +34,41 @@ from .errors import (
 )
 from .optimize import OptimizeResult, optimize
 from .prefetch import prefetch
-from .torch.cache import Cache, CacheNotFilledError
-from .torch.dataloader import CacheDataLoader, LoaderStats
-from .torch.fetcher import Fetcher, FetcherStats
-from .torch.streaming import StreamingDataset
 from .upload import UploadSummary, upload
+
+if typing.TYPE_CHECKING:
+    from .torch.cache import Cache, CacheNotFilledError
+    from .torch.dataloader import CacheDataLoader, LoaderStats
+    from .torch.fetcher import Fetcher, FetcherStats
+    from .torch.streaming import StreamingDataset
+
+# The torch-facing names are imported on first use, so ``import asynccache`` (and a
+# process that only converts data, e.g. optimize's worker pool) does not import torch.
+_LAZY = {
+    "Cache": ".torch.cache",
+    "CacheNotFilledError": ".torch.cache",
+    "CacheDataLoader": ".torch.dataloader",
+    "LoaderStats": ".torch.dataloader",
+    "Fetcher": ".torch.fetcher",
+    "FetcherStats": ".torch.fetcher",
+    "StreamingDataset": ".torch.streaming",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsyncCacheError",
