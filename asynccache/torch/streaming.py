@@ -182,6 +182,7 @@ class StreamingDataset(IterableDataset[Any]):
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
         self._shared = _shared_bytes(_STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8)
+        self._owner = os.getpid()  # the process whose workers share this block
         self._expect = 0  # the counter value this process last wrote or advanced to
         self._pending: tuple[_Progress, int] | None = None  # a worker's loaded state
         self._skip = 0  # items this worker had yielded of its run before a resume
@@ -239,7 +240,24 @@ class StreamingDataset(IterableDataset[Any]):
         self._publish()
 
     # -- the plan shared with DataLoader workers -----------------------------------
+    def _own(self) -> None:
+        """Give a process that is not a DataLoader worker its own shared block.
+
+        A copy of the dataset in another process (a forked child, a rank started with
+        ``mp.spawn``, Lightning's ``ddp_spawn``) would otherwise share the creating
+        process's counters, and the ranks would advance each other's epochs. Its
+        DataLoader workers then share the new block. Download statistics start at zero.
+        """
+        pid = os.getpid()
+        if self._owner == pid or get_worker_info() is not None:
+            return
+        fresh = _shared_bytes(self._shared.numel())
+        fresh.numpy()[:_STATS_AT] = self._shared.numpy()[:_STATS_AT]
+        self._shared, self._owner = fresh, pid
+        self._stats_pid, self._stats_base = -1, np.zeros(len(_STAT_FIELDS))
+
     def _counters(self) -> np.ndarray:
+        self._own()
         return self._shared[: _SLOTS * 8].numpy().view(np.int64)
 
     def _set_counters(self, epoch: int) -> None:
@@ -252,6 +270,7 @@ class StreamingDataset(IterableDataset[Any]):
         started with, so attributes set later in the main process would not reach them."""
         if get_worker_info() is not None:
             return
+        self._own()
         pr = self._progress
         plan = {
             "progress": [
@@ -294,6 +313,7 @@ class StreamingDataset(IterableDataset[Any]):
         self._rank_world = (int(plan["rank_world"][0]), int(plan["rank_world"][1]))
 
     def _stat_table(self) -> np.ndarray:
+        self._own()
         return self._shared[_STATS_AT:].numpy().view(np.float64).reshape(_STAT_ROWS, -1)
 
     def _report_stats(self) -> None:

@@ -3,6 +3,8 @@ themselves, size strings, and arguments that can't apply raising instead of bein
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -163,3 +165,25 @@ def test_main_process_state_after_workers_consumed_raises(written):
     rest = StreamingDataset(written)
     rest.load_state_dict(state)
     assert first + [x["i"] for x in rest] == list(range(N))
+
+
+def _iterate_twice(ds, out) -> None:
+    out.put([[x["i"] for x in ds] for _ in range(2)])
+
+
+def test_a_copy_in_another_process_counts_its_own_epochs(written):
+    """Ranks started from one process (fork, mp.spawn, Lightning's ddp_spawn) each count
+    their own iterations: they don't advance each other's epochs."""
+    ds = StreamingDataset(written, shuffle=True, seed=7)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_iterate_twice, args=(ds, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(60)
+    mine = [[x["i"] for x in ds] for _ in range(2)]
+    assert got[0] == got[1] == mine, "every process ran epochs 0 and 1"
