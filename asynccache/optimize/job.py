@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -42,9 +43,11 @@ import xxhash
 from ..bridge import get_loop_thread
 from ..config import Settings
 from ..download.retry import RetryPolicy
-from ..errors import ObjectNotFoundError, TransientError, WriteConflictError
+from ..errors import CacheError, ObjectNotFoundError, TransientError, WriteConflictError
 from ..format import INDEX_NAME, Index
+from ..fsutil import fsync_dir
 from ..storage import Storage, open_storage
+from ..storage.local import TEMP_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ LEASE_TTL_S = 60.0
 LEASE_SETTLE_S = 0.25
 #: Outer bound on one storage call from sync code; each request has its own timeouts.
 IO_BOUND_S = 3600.0
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 def chunk_name(gen: str, shard: int, n: int) -> str:
@@ -100,15 +104,112 @@ async def upload_retried(storage: Storage, src: str, key: str, settings: Setting
 async def put_bytes(
     storage: Storage, key: str, data: bytes, settings: Settings | None = None
 ) -> None:
-    """Store ``data`` as ``key`` (whole object; atomic on every backend), with retries."""
+    """Store ``data`` as ``key`` (whole object; atomic on every backend), with retries.
+
+    A local output gets it directly (temp file beside it, fsync unless
+    ``ASYNCCACHE_DURABLE=0``, rename, directory fsync): no staging copy, and a
+    published shard index or ``index.json`` survives a power loss.
+    """
+    settings = settings or Settings()
+    path = storage.local_path(key)
+    if path is not None:
+        await asyncio.to_thread(_put_local, path, data, settings.durable)
+        return
     fd, tmp = tempfile.mkstemp(prefix="asynccache-put-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        await upload_retried(storage, tmp, key, settings or Settings())
+        await upload_retried(storage, tmp, key, settings)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def write_file(
+    path: str,
+    pieces: Iterable[bytes | memoryview],
+    *,
+    fsync: bool = False,
+    hasher: Any = None,
+    writeback: bool = False,
+) -> int:
+    """Write ``pieces`` to a temp file beside ``path`` (hidden from listings), rename it in.
+
+    The pieces go to the kernel in ``writev`` batches, straight from the callers' buffers
+    (no copy in user space). ``hasher`` (if given) sees every piece. ``fsync``: flushed to
+    disk before the rename. ``writeback``: the kernel starts writing the file back now,
+    without waiting (:func:`sync_files` later waits for it); the caller must fsync it
+    before anything durable names it.
+
+    Raises:
+        CacheError: the disk is full or the directory is not writable (names ``path``).
+    """
+    head, tail = os.path.split(path)
+    tmp = os.path.join(head, f"{TEMP_PREFIX}{tail}.{os.getpid()}.{secrets.token_hex(4)}")
+    n = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            batch: list[bytes | memoryview] = []
+            for piece in pieces:
+                if hasher is not None:
+                    hasher.update(piece)
+                batch.append(piece)
+                if len(batch) == _IOV_MAX:
+                    n += _writev(fd, batch)
+                    batch = []
+            if batch:
+                n += _writev(fd, batch)
+            if fsync:
+                os.fsync(fd)
+            elif writeback and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # starts async writeback
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror
+            raise CacheError(f"cannot write {path}: {why}") from exc
+        raise
+    return n
+
+
+def _writev(fd: int, pieces: list[bytes | memoryview]) -> int:
+    total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+    done = os.writev(fd, pieces)
+    if done < total:  # a short write (rare on files): finish piece by piece
+        skip = done
+        for p in pieces:
+            view = memoryview(p).cast("B")
+            if skip >= view.nbytes:
+                skip -= view.nbytes
+                continue
+            view, skip = view[skip:], 0
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+    return total
+
+
+def sync_files(paths: Sequence[str]) -> None:
+    """fsync ``paths`` (already renamed into place), then their directories."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for directory in {os.path.dirname(p) for p in paths}:
+        fsync_dir(directory)
+
+
+def _put_local(path: str, data: bytes, durable: bool) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_file(path, [data], fsync=durable)
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
 
 async def get_json(storage: Storage, key: str) -> dict[str, Any] | None:
@@ -328,6 +429,95 @@ class Lease:
                 if doc is not None and doc.get("owner") == self.owner:
                     call(self.storage.delete(LEASE_KEY), self.ttl_s)
             remove_empty_work_dir(self.storage)
+
+
+# -- rank heartbeats (multi-node jobs) -------------------------------------------------
+
+#: A rank writing its shards rewrites its heartbeat this often.
+RANK_BEAT_S = 5.0
+#: A rank whose heartbeat has not changed for this long (as seen by the waiting rank's
+#: own clock, so clocks of different hosts don't matter) is gone.
+RANK_TTL_S = 30.0
+
+
+def rank_key(gen: str, rank: int) -> str:
+    return f"{WORK_PREFIX}/{gen}/rank-{rank}.json"
+
+
+class RankBeat:
+    """Rank ``rank``'s heartbeat ``_optimize/<gen>/rank-<r>.json`` while it writes shards.
+
+    The finisher watches the heartbeats of the ranks whose shards are missing, so a rank
+    killed outright (it posts no failure marker) stops the job within :data:`RANK_TTL_S`
+    (at once when it ran on the finisher's host: its pid is gone) instead of after the
+    progress bound.
+    """
+
+    def __init__(self, storage: Storage, gen: str, rank: int, every_s: float = RANK_BEAT_S):
+        self.storage, self.key, self.rank, self.every_s = (
+            storage,
+            rank_key(gen, rank),
+            rank,
+            every_s,
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._n = 0
+
+    def _doc(self) -> bytes:
+        self._n += 1
+        doc = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+               "heartbeat": time.time(), "beat": self._n}  # fmt: skip
+        return json.dumps(doc).encode()
+
+    def start(self) -> None:
+        call(put_bytes(self.storage, self.key, self._doc()), RANK_TTL_S)
+        self._thread = threading.Thread(target=self._beat, name="asynccache-rank", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                call(put_bytes(self.storage, self.key, self._doc()), RANK_TTL_S)
+            except Exception as exc:  # a missed beat is retried at the next one
+                log.warning("%s: rank heartbeat failed: %s", self.storage.url, exc)
+
+    def stop(self) -> None:
+        """Stop beating and remove the heartbeat (the rank's shards are all written)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=RANK_TTL_S)
+        with contextlib.suppress(Exception):
+            call(self.storage.delete(self.key), RANK_TTL_S)
+
+
+class PeerWatch:
+    """Tells when a peer whose heartbeat object is ``key`` is gone.
+
+    Gone: its document names a pid on this host that no longer exists, or it did not
+    change (or never appeared) for ``ttl_s`` seconds of this process's monotonic clock.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._seen: dict[str, tuple[Any, float]] = {}
+
+    def gone(self, key: str, doc: Mapping[str, Any] | None) -> str | None:
+        """None while the peer looks alive, else why it is considered gone."""
+        now = time.monotonic()
+        beat = None if doc is None else (doc.get("heartbeat"), doc.get("beat"))
+        last, since = self._seen.get(key, (None, now))
+        if key not in self._seen or beat != last:
+            self._seen[key] = (beat, now)
+            since = now
+        pid = doc.get("pid") if doc else None
+        here = doc is not None and doc.get("host") == socket.gethostname()
+        if here and isinstance(pid, int) and not _pid_alive(pid):
+            return f"its process (pid {pid} on this host) is gone"
+        if now - since > self.ttl_s:
+            what = "no heartbeat" if doc is None else "no new heartbeat"
+            return f"{what} for {now - since:.0f}s"
+        return None
 
 
 def remove_empty_work_dir(storage: Storage) -> None:

@@ -4,7 +4,8 @@ Chunks close at ``chunk_bytes`` and are uploaded at once, on the process's I/O t
 while ``fn`` keeps producing the next one: upload overlaps with writing. At most
 ``staged_chunks`` closed chunks wait on local disk per process (the staging bound); when
 they are all in flight, writing waits for the oldest upload. A local output directory
-needs no staging: chunks are written in place (temp file, fsync, rename).
+needs no staging: chunks are written in place (temp file, rename; fsynced together, with
+their directory, before the shard index names them).
 
 The shard index ``_optimize/<gen>/shard-<k>.index.json`` is written after every chunk
 it names is stored; it numbers the shard's items ``0 .. n-1`` in input order, and the
@@ -21,6 +22,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -30,9 +32,18 @@ from ..config import Settings
 from ..errors import CacheError, ConfigError, InputFailedError, StorageError
 from ..format import ChunkEntry, Index, build, encode, encoded_size
 from ..format.index import format_checksum, new_hasher
-from ..fsutil import atomic_write
 from ..storage import Storage
-from .job import IO_BOUND_S, Job, call, chunk_name, put_bytes, shard_key, upload_retried
+from .job import (
+    IO_BOUND_S,
+    Job,
+    call,
+    chunk_name,
+    put_bytes,
+    shard_key,
+    sync_files,
+    upload_retried,
+    write_file,
+)
 
 #: Closed chunks in hand per process, at most: written in the background (in memory
 #: until written, memory <= (this + 1) x chunk_bytes) and uploaded (staging disk <= this x
@@ -62,11 +73,13 @@ class ShardResult:
 class _Stager:
     """Stores closed chunks in the background, so ``fn`` keeps running meanwhile.
 
-    A local output gets each chunk in place (temp file, fsync unless
-    ``ASYNCCACHE_DURABLE=0``, rename); a remote one gets it staged in ``staging_dir`` and
-    uploaded from there (with retries), the staged file deleted after. At most ``limit``
-    closed chunks are in hand at once (held in memory until written, on disk until
-    uploaded); ``put`` waits for the oldest beyond that.
+    A local output gets each chunk in place (temp file, rename; the kernel starts its
+    writeback at once and :meth:`drain` fsyncs the shard's chunks before the shard index
+    is written, unless ``ASYNCCACHE_DURABLE=0``); a remote one gets it staged in
+    ``staging_dir`` and uploaded from there (with retries), the staged file deleted after.
+    Either way the items' buffers go to the kernel as they are (``writev``), no copy.
+    At most ``limit`` closed chunks are in hand at once (held in memory until written, on
+    disk until uploaded); ``put`` waits for the oldest beyond that.
     """
 
     def __init__(
@@ -82,6 +95,9 @@ class _Stager:
             _STORE_THREADS, thread_name_prefix="asynccache-stage"
         )
         self._dir: str | None = None
+        self._made: set[str] = set()
+        self._lock = threading.Lock()
+        self._unsynced: list[str] = []  # local chunks written, not fsynced yet
         if not self.local_root:
             self._dir = tempfile.mkdtemp(prefix="asynccache-staging-", dir=staging_dir)
 
@@ -97,21 +113,25 @@ class _Stager:
 
     def _store(self, name: str, items: list[list[memoryview | bytes]]) -> tuple[int, str]:
         hasher = new_hasher()
-
-        def pieces() -> Iterable[bytes | memoryview]:
-            for p in build(items):
-                hasher.update(p)
-                yield p
-
         if self.local_root:
+            # In place, straight from the items' buffers. Not fsynced here: the kernel
+            # starts writing it back now, and :meth:`drain` fsyncs the shard's chunks
+            # (and their directory) before the shard index names them.
             path = self.storage.local_path(name)
             assert path is not None
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            size = atomic_write(path, pieces(), fsync=self.settings.durable)
+            directory = os.path.dirname(path)
+            if directory not in self._made:
+                os.makedirs(directory, exist_ok=True)
+                self._made.add(directory)
+            durable = self.settings.durable
+            size = write_file(path, build(items), hasher=hasher, writeback=durable)
+            if durable:
+                with self._lock:
+                    self._unsynced.append(path)
             return size, format_checksum(hasher)
         assert self._dir is not None
         path = os.path.join(self._dir, name)
-        size = atomic_write(path, pieces())
+        size = write_file(path, build(items), hasher=hasher)
         try:
             call(upload_retried(self.storage, path, name, self.settings), IO_BOUND_S)
         finally:
@@ -120,8 +140,16 @@ class _Stager:
         return size, format_checksum(hasher)
 
     def drain(self) -> None:
+        """Wait for every chunk handed over; a local output's are then on disk."""
         while self._pending:
             self._pending.popleft().result(IO_BOUND_S)
+        with self._lock:
+            paths, self._unsynced = self._unsynced, []
+        if paths:
+            try:
+                sync_files(paths)
+            except OSError as exc:
+                raise CacheError(f"cannot flush {paths[0]} to disk: {exc.strerror}") from exc
 
     def close(self) -> None:
         for fut in self._pending:
