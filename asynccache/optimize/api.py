@@ -118,9 +118,11 @@ class JobRun:
             return []
         return [k for k in range(self.job.num_shards) if k not in self.job.done]
 
-    def merge(self, *, stall_s: float = MERGE_STALL_S) -> Index:
+    def merge(self, *, stall_s: float = MERGE_STALL_S, world: int = 1) -> Index:
         """Wait for every shard index, then write ``index.json`` (see :func:`merge_shards`)."""
-        self.index = merge_shards(self.job, lease=self.lease, stall_s=stall_s, storage=self.storage)
+        self.index = merge_shards(
+            self.job, lease=self.lease, stall_s=stall_s, storage=self.storage, world=world
+        )
         self.committed = True
         return self.index
 
@@ -208,24 +210,30 @@ def merge_shards(
     lease: Lease | None = None,
     stall_s: float = MERGE_STALL_S,
     storage: Storage | None = None,
+    world: int = 1,
 ) -> Index:
     """Wait for all of ``job``'s shard indexes, write ``index.json`` last, clean up.
 
     The wait is bounded by progress: it fails once no new chunk or shard index appeared
-    for ``stall_s`` seconds while shards are missing. Before the commit the lease is
-    checked (a second job that took the output over makes this one stop uncommitted).
+    for ``stall_s`` seconds while shards are missing. With ``world > 1`` (shard ``k``
+    written by rank ``k % world``, each beating with :class:`~.job.RankBeat`), a rank
+    whose shards are missing and whose heartbeat stopped for ``RANK_TTL_S`` (or whose
+    process is gone, on this host) stops the wait at once with :class:`WorkerDiedError`.
+    Before the commit the lease is checked (a second job that took the output over makes
+    this one stop uncommitted).
     After it, ``_optimize/`` and, for ``overwrite``, the replaced dataset's chunks are
     deleted.
 
     Raises:
         InputFailedError: a shard on another rank or task reported a failed input.
         CacheError: shards stopped making progress (names them).
+        WorkerDiedError: a rank with unfinished shards is gone (names it).
         WriteConflictError: another job took the output over; nothing committed.
     """
     own = storage is None
     storage = storage if storage is not None else job.open_storage()
     try:
-        _wait_for_shards(storage, job, stall_s)
+        _wait_for_shards(storage, job, stall_s, world)
         parts = call(_read_shards(storage, job))
         if lease is not None:
             lease.check()
@@ -246,10 +254,11 @@ def _failed_key(job: Job, rank: int) -> str:
     return f"{WORK_PREFIX}/{job.gen}/failed-{rank}.json"
 
 
-def _wait_for_shards(storage: Storage, job: Job, stall_s: float) -> None:
+def _wait_for_shards(storage: Storage, job: Job, stall_s: float, world: int = 1) -> None:
     last_marker: Any = None
     last_change = time.monotonic()
     pause = _POLL_S[0]
+    peers = jobs.PeerWatch(jobs.RANK_TTL_S) if world > 1 else None
     while True:
         work = call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))
         failed = [o.key for o in work if "/failed-" in o.key]
@@ -259,6 +268,8 @@ def _wait_for_shards(storage: Storage, job: Job, stall_s: float) -> None:
         missing = [k for k in range(job.num_shards) if shard_key(job.gen, k) not in have]
         if not missing:
             return
+        if peers is not None:
+            _check_ranks(storage, job, world, missing, peers)
         chunks = call(storage.list(chunk_prefix(job.gen)))
         marker = (frozenset(have), frozenset((o.key, o.size) for o in chunks))
         now = time.monotonic()
@@ -275,6 +286,27 @@ def _wait_for_shards(storage: Storage, job: Job, stall_s: float) -> None:
             )
         time.sleep(pause)
         pause = min(pause * 2, _POLL_S[1])
+
+
+def _check_ranks(
+    storage: Storage, job: Job, world: int, missing: list[int], peers: jobs.PeerWatch
+) -> None:
+    """Raise WorkerDiedError naming a rank that has shards ``missing`` and is gone."""
+    for r in sorted({k % world for k in missing} - {0}):
+        why = peers.gone(
+            jobs.rank_key(job.gen, r), call(get_json(storage, jobs.rank_key(job.gen, r)))
+        )
+        if why is None:
+            continue
+        # it may have written its last shard index just now and stopped beating: look again
+        have = {o.key for o in call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))}
+        left = [k for k in range(r, job.num_shards, world) if shard_key(job.gen, k) not in have]
+        if left:
+            raise WorkerDiedError(
+                f"{job.url}: rank {r} stopped with shards {', '.join(map(str, left[:10]))} "
+                f"unfinished ({why}): it was killed or its node was lost; the finished shards "
+                "are kept: rerun with the same arguments to resume"
+            )
 
 
 async def _read_shards(storage: Storage, job: Job) -> list[Index]:
@@ -587,8 +619,13 @@ def optimize(
     total = sum(job.bounds(k)[1] - job.bounds(k)[0] for k in mine)
     bar = _Bar(total, output_dir, settings.progress and sys.stderr.isatty())
     results: list[ShardResult] = []
+    beat = _start_beat(job, rank) if world > 1 and rank != 0 and mine else None
     try:
-        results = _run_shards(job, fn, inputs, mine, num_workers, staging_dir, bar)
+        try:
+            results = _run_shards(job, fn, inputs, mine, num_workers, staging_dir, bar)
+        finally:
+            if beat is not None:
+                beat.stop()
     except InputFailedError as exc:
         bar.close()
         if run is not None:
@@ -612,9 +649,14 @@ def optimize(
                 index = _read_committed(run.storage)
                 _clean_after_commit(run.storage, job, index)
             else:
-                index = run.merge()
+                index = run.merge(world=world)
         except InputFailedError:
             run.discard()
+            raise
+        except BaseException as exc:
+            if world > 1:  # the other ranks wait for the commit: tell them
+                with contextlib.suppress(Exception):
+                    _post_failure(job, rank, f"{type(exc).__name__}: {exc}", "stopped")
             raise
         finally:
             run.close()
@@ -631,6 +673,33 @@ def optimize(
         resumed_shards=len(job.done),
         seconds=time.monotonic() - started,
     )
+
+
+class _Beat:
+    """A rank's heartbeat (:class:`~.job.RankBeat`) on a storage connection of its own."""
+
+    def __init__(self, job: Job, rank: int) -> None:
+        self.storage = job.open_storage()
+        self.beat = jobs.RankBeat(self.storage, job.gen, rank)
+        try:
+            self.beat.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def stop(self) -> None:
+        try:
+            self.beat.stop()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            call(self.storage.close(), 30.0)
+
+
+def _start_beat(job: Job, rank: int) -> _Beat:
+    return _Beat(job, rank)
 
 
 def _read_committed(storage: Storage) -> Index:
@@ -664,8 +733,14 @@ def _raise_failure(storage: Storage, job: Job, key: str) -> None:
 
 
 def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
-    """Other ranks: wait until rank 0 committed this job (bounded by the job's progress)."""
+    """Other ranks: wait until rank 0 committed this job.
+
+    Bounded by the job's progress, and by rank 0's lease: once it no longer names this
+    job's owner, or its heartbeat stopped for ``LEASE_TTL_S`` (at once when rank 0's
+    process on this host is gone), rank 0 is gone and this raises WorkerDiedError.
+    """
     storage = job.open_storage()
+    finisher = jobs.PeerWatch(jobs.LEASE_TTL_S)
     try:
         last: Any = None
         last_change = time.monotonic()
@@ -686,6 +761,19 @@ def _wait_for_commit(job: Job, stall_s: float = MERGE_STALL_S) -> Index:
                 raise InputFailedError(
                     f"{job.url}: rank 0 stopped job {job.gen} without committing (an input "
                     "failed there, or it was interrupted); see rank 0's error"
+                )
+            lease = call(get_json(storage, jobs.LEASE_KEY))
+            if lease is None or lease.get("owner") != job.owner or lease.get("released"):
+                why: str | None = "it no longer holds the output's lease"
+            else:
+                why = finisher.gone(jobs.LEASE_KEY, lease)
+            if why is not None:
+                idx = call(jobs.read_index(storage))  # committed just before letting go?
+                if idx is not None and idx.config.get("generation") == job.gen:
+                    return idx
+                raise WorkerDiedError(
+                    f"{job.url}: rank 0 stopped without committing job {job.gen} ({why}); "
+                    "the finished shards are kept: rerun with the same arguments to resume"
                 )
             marker = frozenset((o.key, o.size) for o in work)
             now = time.monotonic()

@@ -91,3 +91,10 @@ def bad_on_85(i: int) -> Any:
     if i == 85:
         raise ValueError("unreadable record")
     return {"i": i}
+
+
+def die_on_85(i: int) -> Any:
+    """Kills its own process (SIGKILL, no cleanup) on input 85: rank 1 of 2, inline."""
+    if i == 85:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"i": i}

@@ -11,7 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from asynccache import StreamingDataset
-from asynccache.optimize.api import pool_context
+from asynccache.optimize.api import _PRELOAD, pool_context
 from tests.optimize import helpers
 from tests.optimize.ranks import rank_main
 
@@ -25,14 +25,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: dict) -> list[dict]:
-    """Run 2 ranks to completion (bounded); each rank's result.json."""
-    # forkserver, as optimize's own pool: the ranks fork from a clean server process that
-    # imported asynccache once (pool_context sets that preload before the server starts)
-    pool_context()
-    ctx = mp.start_processes(
+def start_ranks(cfg: dict) -> mp.ProcessContext:
+    """2 ranks of ``rank_main``, forked from optimize's fork server (clean, like its pool).
+
+    The server also preloads this rank module (torch.distributed), so each rank starts warm
+    when the server starts here; when an earlier test started it, ranks import torch.
+    """
+    ctx = pool_context()
+    ctx.set_forkserver_preload([*_PRELOAD, "tests.optimize.ranks"])
+    return mp.start_processes(
         rank_main, args=(2, free_port(), cfg), nprocs=2, join=False, start_method="forkserver"
     )
+
+
+def launch(cfg: dict) -> list[dict]:
+    """Run 2 ranks to completion (bounded); each rank's result.json."""
+    ctx = start_ranks(cfg)
     deadline = time.monotonic() + 200
     try:
         while not ctx.join(timeout=1):
@@ -93,3 +101,26 @@ def test_an_input_failing_on_one_node_stops_both_and_leaves_nothing(objstore, bu
         assert call(storage.list()) == []  # chunks, shard indexes, plan, lease: all gone
     finally:
         call(storage.close())
+
+
+def test_a_rank_killed_outright_stops_rank_0_naming_it(objstore, bucket, tmp_path):
+    """Rank 1 dies by SIGKILL (posts nothing): rank 0 sees its heartbeat's pid gone, at once."""
+    url = f"s3://{bucket}/ds"
+    cfg = dict(url=url, storage_options=objstore.storage_options, node_dirs=node_dirs(tmp_path),
+               n=N, workers=0, fn="die_on_85")  # fmt: skip
+    ctx = start_ranks(cfg)
+    rank0, rank1 = ctx.processes
+    try:
+        rank0.join(timeout=200)  # bounded; without the heartbeat it waits 10 minutes
+        assert not rank0.is_alive(), "rank 0 did not notice that rank 1 is gone"
+        rank1.join(timeout=10)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert rank1.exitcode == -9  # the fault fired: rank 1 was killed, not stopped
+    with open(os.path.join(cfg["node_dirs"][0], "result.json")) as f:
+        res = json.load(f)
+    assert res["type"] == "WorkerDiedError", res
+    assert "rank 1 stopped with shards 7 unfinished" in res["error"]
+    assert not os.path.exists(os.path.join(cfg["node_dirs"][1], "result.json"))
