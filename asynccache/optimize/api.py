@@ -41,7 +41,7 @@ from ..storage import Storage
 from ..writer import MERGE_STALL_S
 from . import job as jobs
 from .job import JOB_KEY, WORK_PREFIX, Job, Lease, call, chunk_prefix, get_json, shard_key
-from .shard import ShardResult, write_shard
+from .shard import ShardResult, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -424,9 +424,12 @@ def _report(inputs: int, items: int, nbytes: int) -> None:
 
 
 def _shard_task(
-    job: Job, fn: Callable[[Any], Any], inputs: Sequence[Any], shard: int, staging: str | None
-) -> ShardResult:
-    return write_shard(job, fn, inputs, shard, staging_dir=staging, progress=_report)
+    job: Job,
+    fn: Callable[[Any], Any],
+    bundle: list[tuple[int, Sequence[Any]]],
+    staging: str | None,
+) -> list[ShardResult]:
+    return write_shards(job, fn, bundle, staging_dir=staging, progress=_report)
 
 
 class _Bar:
@@ -458,40 +461,47 @@ def _run_shards(
     staging_dir: str | None,
     bar: _Bar,
 ) -> list[ShardResult]:
-    """Write ``shards`` here: inline for ``num_workers == 0``, else on a spawn pool."""
+    """Write ``shards`` here: inline for ``num_workers == 0``, else on a process pool.
+
+    Each task is a run of consecutive shards (about two tasks per worker), written
+    pipelined (:func:`write_shards`): a shard's last uploads overlap the next shard's
+    ``fn``; the split keeps some load balancing between workers.
+    """
+
+    def part(k: int) -> tuple[int, Sequence[Any]]:
+        a, b = job.bounds(k)
+        return k, inputs[a:b]
+
     if num_workers == 0:
-        out = []
-        for k in shards:
-            a, b = job.bounds(k)
-            out.append(
-                write_shard(job, fn, inputs[a:b], k, staging_dir=staging_dir, progress=bar.update)
-            )
-        return out
+        return write_shards(
+            job, fn, [part(k) for k in shards], staging_dir=staging_dir, progress=bar.update
+        )
+    per_task = max(1, -(-len(shards) // (2 * num_workers)))
+    bundles = [shards[i : i + per_task] for i in range(0, len(shards), per_task)]
     ctx = pool_context()
     q = ctx.Queue()
     results: list[ShardResult] = []
-    todo = list(shards)
+    todo = list(bundles)
     pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(num_workers, max(1, len(shards))),
+        max_workers=min(num_workers, max(1, len(bundles))),
         mp_context=ctx,
         initializer=_init_worker,
         initargs=(q,),
     )
-    pending: set[concurrent.futures.Future[ShardResult]] = set()
+    pending: set[concurrent.futures.Future[list[ShardResult]]] = set()
     ok = False
     try:
         while todo or pending:
             while todo and len(pending) < 2 * num_workers:  # bounded: inputs are pickled
-                k = todo.pop(0)
-                a, b = job.bounds(k)
-                pending.add(pool.submit(_shard_task, job, fn, inputs[a:b], k, staging_dir))
+                bundle = [part(k) for k in todo.pop(0)]
+                pending.add(pool.submit(_shard_task, job, fn, bundle, staging_dir))
             done, pending = concurrent.futures.wait(
                 pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
             )
             _drain(q, bar)
             for f in done:
                 try:
-                    results.append(f.result())
+                    results += f.result()
                 except concurrent.futures.process.BrokenProcessPool as exc:
                     raise WorkerDiedError(
                         f"{job.url}: a worker process died (killed or out of memory); the "

@@ -59,6 +59,8 @@ MODES = ("create", "overwrite", "append")
 LEASE_TTL_S = 60.0
 #: How long a new lease waits before reading it back (a racing job's write lands first).
 LEASE_SETTLE_S = 0.25
+#: The same for a local output: a write there is visible to every reader once it returns.
+LOCAL_SETTLE_S = 0.02
 #: Outer bound on one storage call from sync code; each request has its own timeouts.
 IO_BOUND_S = 3600.0
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -386,6 +388,8 @@ class Lease:
         if doc is not None and doc.get("owner") != self.owner and not doc.get("released"):
             log.warning("%s: taking over the stale lease of %s", where, _describe(doc, now))
         call(put_bytes(self.storage, LEASE_KEY, self._doc()))
+        if self.storage.local_path(LEASE_KEY) is not None:
+            settle_s = min(settle_s, LOCAL_SETTLE_S)
         time.sleep(settle_s)
         self.check()
         self._thread = threading.Thread(target=self._beat, name="asynccache-lease", daemon=True)

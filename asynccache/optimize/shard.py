@@ -22,7 +22,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -74,7 +73,7 @@ class _Stager:
     """Stores closed chunks in the background, so ``fn`` keeps running meanwhile.
 
     A local output gets each chunk in place (temp file, rename; the kernel starts its
-    writeback at once and :meth:`drain` fsyncs the shard's chunks before the shard index
+    writeback at once and :meth:`sync` fsyncs the shard's chunks before the shard index
     is written, unless ``ASYNCCACHE_DURABLE=0``); a remote one gets it staged in
     ``staging_dir`` and uploaded from there (with retries), the staged file deleted after.
     Either way the items' buffers go to the kernel as they are (``writev``), no copy.
@@ -96,8 +95,9 @@ class _Stager:
         )
         self._dir: str | None = None
         self._made: set[str] = set()
-        self._lock = threading.Lock()
-        self._unsynced: list[str] = []  # local chunks written, not fsynced yet
+        self._finisher = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="asynccache-finish"
+        )
         if not self.local_root:
             self._dir = tempfile.mkdtemp(prefix="asynccache-staging-", dir=staging_dir)
 
@@ -115,7 +115,7 @@ class _Stager:
         hasher = new_hasher()
         if self.local_root:
             # In place, straight from the items' buffers. Not fsynced here: the kernel
-            # starts writing it back now, and :meth:`drain` fsyncs the shard's chunks
+            # starts writing it back now, and :meth:`sync` fsyncs the shard's chunks
             # (and their directory) before the shard index names them.
             path = self.storage.local_path(name)
             assert path is not None
@@ -125,9 +125,6 @@ class _Stager:
                 self._made.add(directory)
             durable = self.settings.durable
             size = write_file(path, build(items), hasher=hasher, writeback=durable)
-            if durable:
-                with self._lock:
-                    self._unsynced.append(path)
             return size, format_checksum(hasher)
         assert self._dir is not None
         path = os.path.join(self._dir, name)
@@ -139,22 +136,29 @@ class _Stager:
                 os.unlink(path)
         return size, format_checksum(hasher)
 
-    def drain(self) -> None:
-        """Wait for every chunk handed over; a local output's are then on disk."""
-        while self._pending:
-            self._pending.popleft().result(IO_BOUND_S)
-        with self._lock:
-            paths, self._unsynced = self._unsynced, []
-        if paths:
-            try:
-                sync_files(paths)
-            except OSError as exc:
-                raise CacheError(f"cannot flush {paths[0]} to disk: {exc.strerror}") from exc
+    def finish(self, fn: Callable[[], ShardResult]) -> concurrent.futures.Future[ShardResult]:
+        """Run ``fn`` (a shard's finish: wait for its chunks, write its index) in the background.
+
+        One thread, in order, beside the chunk threads: the next shard's ``fn`` and
+        uploads go on while a shard's last chunks are stored and its index written.
+        """
+        return self._finisher.submit(fn)
+
+    def sync(self, names: Sequence[str]) -> None:
+        """fsync the local chunks ``names`` (stored already) and their directory."""
+        if not (self.local_root and self.settings.durable and names):
+            return
+        paths = [p for p in map(self.storage.local_path, names) if p is not None]
+        try:
+            sync_files(paths)
+        except OSError as exc:
+            raise CacheError(f"cannot flush {paths[0]} to disk: {exc.strerror}") from exc
 
     def close(self) -> None:
         for fut in self._pending:
             fut.cancel()
         self._threads.shutdown(wait=True, cancel_futures=True)
+        self._finisher.shutdown(wait=True, cancel_futures=True)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -206,59 +210,118 @@ def write_shard(
             ``job.on_error`` is ``"raise"``; the message names the input.
         StorageError: a chunk or the shard index could not be stored.
     """
-    start, stop = job.bounds(shard)
-    if len(inputs) != stop - start:
-        raise ConfigError(
-            f"shard {shard} covers inputs[{start}:{stop}] ({stop - start} inputs), "
-            f"got {len(inputs)}"
-        )
+    return write_shards(
+        job, fn, [(shard, inputs)], staging_dir=staging_dir, staged_chunks=staged_chunks,
+        progress=progress,
+    )[0]  # fmt: skip
+
+
+def write_shards(
+    job: Job,
+    fn: Callable[[Any], Any],
+    shards: Sequence[tuple[int, Sequence[Any]]],
+    *,
+    staging_dir: str | None = None,
+    staged_chunks: int = STAGED_CHUNKS,
+    progress: Progress | None = None,
+) -> list[ShardResult]:
+    """:func:`write_shard` for several ``(shard, inputs)`` in turn, pipelined.
+
+    A shard is finished (its last chunks stored, fsynced, its shard index written) while
+    ``fn`` already runs on the next shard's inputs, so writing never stops at a shard's
+    end to wait for its last uploads. Each shard index is still written only after
+    every chunk it names is stored, and shard ``k`` is finished before shard ``k + 2``
+    starts.
+    """
+    for k, inputs in shards:
+        start, stop = job.bounds(k)
+        if len(inputs) != stop - start:
+            raise ConfigError(
+                f"shard {k} covers inputs[{start}:{stop}] ({stop - start} inputs), "
+                f"got {len(inputs)}"
+            )
     storage = job.open_storage()
     stager = _Stager(storage, staging_dir, staged_chunks, job.settings)
-    entries: list[tuple[str, int, int, concurrent.futures.Future[tuple[int, str]]]] = []
-    buf: list[list[memoryview | bytes]] = []
-    buf_bytes = 0
-    items = 0
-    skipped = 0
-    errors: list[str] = []
-    skip = job.on_error == "skip"
     report = [0, 0, 0]
-    last_report = time.monotonic()
-
-    def flush() -> None:
-        nonlocal buf, buf_bytes
-        if not buf:
-            return
-        name = chunk_name(job.gen, shard, len(entries))
-        first = items - len(buf)
-        entries.append((name, len(buf), first, stager.put(name, buf)))
-        report[2] += buf_bytes
-        buf, buf_bytes = [], 0
-
-    def add(pieces: list[memoryview | bytes]) -> None:
-        nonlocal buf_bytes, items
-        size = encoded_size(pieces) + 8
-        if buf and buf_bytes + size > job.chunk_bytes:
-            flush()
-        buf.append(pieces)
-        buf_bytes += size
-        items += 1
-
+    finishing: list[concurrent.futures.Future[ShardResult]] = []
     try:
-        for j, x in enumerate(inputs):
+        for k, inputs in shards:
+            if len(finishing) >= 2:  # at most one shard finishes behind: a killed
+                finishing[-2].result(IO_BOUND_S)  # worker loses at most 2 shards' work
+            shard = _Shard(job, fn, k, inputs, stager, report, progress)
+            shard.produce(finishing)
+            finishing.append(stager.finish(shard.finish))
+        results = [f.result(IO_BOUND_S) for f in finishing]
+    finally:
+        stager.close()
+        with contextlib.suppress(Exception):
+            call(storage.close(), 30.0)
+    if progress is not None:
+        progress(*report)
+    return results
+
+
+class _Shard:
+    """One shard being written: :meth:`produce` its chunks, then :meth:`finish` it."""
+
+    def __init__(
+        self,
+        job: Job,
+        fn: Callable[[Any], Any],
+        shard: int,
+        inputs: Sequence[Any],
+        stager: _Stager,
+        report: list[int],
+        progress: Progress | None,
+    ) -> None:
+        self.job, self.fn, self.shard, self.inputs = job, fn, shard, inputs
+        self.stager, self.report, self.progress = stager, report, progress
+        self.entries: list[tuple[str, int, int, concurrent.futures.Future[tuple[int, str]]]] = []
+        self.buf: list[list[memoryview | bytes]] = []
+        self.buf_bytes = 0
+        self.items = 0
+        self.skipped = 0
+        self.errors: list[str] = []
+        self.result: ShardResult | None = None
+
+    def _flush(self) -> None:
+        if not self.buf:
+            return
+        name = chunk_name(self.job.gen, self.shard, len(self.entries))
+        first = self.items - len(self.buf)
+        self.entries.append((name, len(self.buf), first, self.stager.put(name, self.buf)))
+        self.report[2] += self.buf_bytes
+        self.buf, self.buf_bytes = [], 0
+
+    def _add(self, pieces: list[memoryview | bytes]) -> None:
+        size = encoded_size(pieces) + 8
+        if self.buf and self.buf_bytes + size > self.job.chunk_bytes:
+            self._flush()
+        self.buf.append(pieces)
+        self.buf_bytes += size
+        self.items += 1
+
+    def produce(self, finishing: list[concurrent.futures.Future[ShardResult]]) -> None:
+        """Run ``fn`` over the inputs and hand every chunk to the stager.
+
+        ``finishing``: the earlier shards being finished in the background; the first
+        failure among them is raised here, between two inputs.
+        """
+        job, report, fn = self.job, self.report, self.fn
+        start = job.bounds(self.shard)[0]
+        skip = job.on_error == "skip"
+        compression = job.compression
+        last_report = time.monotonic()
+        for j, x in enumerate(self.inputs):
             failed: Exception | None = None
             encoded: list[list[memoryview | bytes]] = []
             try:
-                it = iter(_outputs(fn, x))
-                while True:
-                    try:
-                        o = next(it)
-                    except StopIteration:
-                        break
-                    pieces = encode(o, compression=job.compression)
+                for o in _outputs(fn, x):
+                    pieces = encode(o, compression=compression)
                     if skip:  # all of an input's items, or none of them
                         encoded.append(pieces)
                     else:
-                        add(pieces)  # storage errors from here are not the input's
+                        self._add(pieces)  # storage errors from here are not the input's
                         report[1] += 1
             except _StorageError:
                 raise
@@ -268,40 +331,52 @@ def write_shard(
                 what = f"{_name(start + j, x)}: {type(failed).__name__}: {failed}"
                 if not skip:
                     raise InputFailedError(f"fn failed on {what}") from failed
-                skipped += 1
-                if len(errors) < MAX_REPORTED:
-                    errors.append(what)
+                self.skipped += 1
+                if len(self.errors) < MAX_REPORTED:
+                    self.errors.append(what)
             else:
                 for pieces in encoded:
-                    add(pieces)
+                    self._add(pieces)
                 report[1] += len(encoded)
             report[0] += 1
-            now = time.monotonic()
-            if progress is not None and now - last_report > 0.2:
-                progress(*report)
-                report[:] = [0, 0, 0]
-                last_report = now
-        flush()
-        stager.drain()
+            for f in finishing:
+                if f.done() and f.exception() is not None:
+                    f.result()
+            if self.progress is not None:
+                now = time.monotonic()
+                if now - last_report > 0.2:
+                    self.progress(*report)
+                    report[:] = [0, 0, 0]
+                    last_report = now
+        self._flush()
+
+    def finish(self) -> ShardResult:
+        """Wait for the shard's chunks (fsync them, locally), then write its shard index."""
+        if self.result is not None:
+            return self.result
+        job = self.job
         chunks = []
-        for name, count, first, fut in entries:
-            size, checksum = fut.result()
+        for name, count, first, fut in self.entries:
+            size, checksum = fut.result(IO_BOUND_S)
             chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),)))
-        total_bytes = sum(c.bytes for c in chunks)
+        self.stager.sync([name for name, *_ in self.entries])
         config = {
             "chunk_bytes": job.chunk_bytes,
             "compression": job.compression,
             "writer": f"asynccache {__version__}",
-            "inputs": len(inputs),
-            "skipped": skipped,
-            "errors": errors,
+            "inputs": len(self.inputs),
+            "skipped": self.skipped,
+            "errors": self.errors,
         }
-        idx = Index(tuple(chunks), config, shard, job.gen)
-        call(put_bytes(storage, shard_key(job.gen, shard), idx.to_json().encode(), job.settings))
-    finally:
-        stager.close()
-        with contextlib.suppress(Exception):
-            call(storage.close(), 30.0)
-    if progress is not None:
-        progress(*report)
-    return ShardResult(shard, len(inputs), items, total_bytes, len(entries), skipped, tuple(errors))
+        idx = Index(tuple(chunks), config, self.shard, job.gen)
+        call(
+            put_bytes(
+                self.stager.storage, shard_key(job.gen, self.shard), idx.to_json().encode(),
+                job.settings,
+            )
+        )  # fmt: skip
+        self.result = ShardResult(
+            self.shard, len(self.inputs), self.items, sum(c.bytes for c in chunks),
+            len(chunks), self.skipped, tuple(self.errors),
+        )  # fmt: skip
+        return self.result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 
@@ -122,5 +123,6 @@ def test_a_rank_killed_outright_stops_rank_0_naming_it(objstore, bucket, tmp_pat
     with open(os.path.join(cfg["node_dirs"][0], "result.json")) as f:
         res = json.load(f)
     assert res["type"] == "WorkerDiedError", res
-    assert "rank 1 stopped with shards 7 unfinished" in res["error"]
+    # it died in shard 7, its last; shard 5 may still have been finishing beside it
+    assert re.search(r"rank 1 stopped with shards (5, )?7 unfinished", res["error"]), res
     assert not os.path.exists(os.path.join(cfg["node_dirs"][1], "result.json"))
