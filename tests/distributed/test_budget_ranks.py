@@ -18,8 +18,10 @@ from tests.distributed.test_ddp import free_port
 
 ITEMS = 1201  # 86 chunks; not a multiple of ranks x batch, so the last rank is padded
 WORLD = 2
-# (shuffle, budget as a fraction of the dataset); 1.0 is in tests/test_budget_gets.py
-RUNS = [(True, 0.25), (False, 0.5)]
+# (shuffle, budget as a fraction of the dataset): the hardest case, shuffled windows shared
+# across ranks and workers at the smallest budget; tests/test_budget_gets.py runs each
+# budget in both orders with one rank.
+RUNS = [(True, 0.25)]
 pytestmark = pytest.mark.timeout(400)
 
 
