@@ -15,7 +15,7 @@ count ``w`` in ``--workers``:
 * ``optimize`` to SeaweedFS on loopback (``num_workers=w``), chunks staged on local disk
   and uploaded as they close.
 
-Pools fork from optimize's fork server, which imports asynccache and torch once: it is
+Pools fork from optimize's fork server, which imports asynccache (not torch) once: it is
 started (and reported) before the first repetition, so no figure includes that import.
 The start of a warm pool of ``w`` is shown per repetition.
 
@@ -71,7 +71,7 @@ def _fn_only(bounds: tuple[int, int]) -> int:
 def pool_start(workers: int) -> float:
     """Seconds for a pool of ``workers`` (optimize's context) to start and run an empty task each.
 
-    The first call starts the fork server, which imports asynccache and torch once; later
+    The first call starts the fork server, which imports asynccache once; later
     pools fork from it. The warm-up call is reported, not counted in any figure.
     """
     t0 = time.perf_counter()

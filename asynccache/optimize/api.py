@@ -402,8 +402,8 @@ def pool_context() -> Any:
     Both start workers from a clean process, never from the caller (whose threads, locks
     and I/O loop must not be forked), so ``fn`` must be picklable and the caller's script
     guarded by ``if __name__ == "__main__"``, as with ``spawn``. The fork server imports
-    asynccache (and torch) once per calling process; later pools fork from it, so a
-    worker's start costs milliseconds instead of an import of torch.
+    asynccache once per calling process (not torch: the package binds its torch-facing
+    names on first use); later pools fork from it, so a worker starts in milliseconds.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
