@@ -170,3 +170,17 @@ def test_index_stays_compact_for_shuffled_inputs(tmp_path):
     assert sum(len(c.keys) for c in res.index.chunks) == len(res.index.chunks)
     doc = json.load(open(os.path.join(out, "index.json")))
     assert doc["total_items"] == 20_000
+
+
+def test_importing_asynccache_and_optimize_does_not_import_torch():
+    """optimize's fork server imports these: torch would cost it seconds per job."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, asynccache, asynccache.optimize\n"
+        "print('torch' in sys.modules, 'StreamingDataset' in dir(asynccache))\n"
+    )  # (tests/test_public_api.py resolves every lazy name)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
