@@ -184,3 +184,35 @@ def test_importing_asynccache_and_optimize_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_local_chunks_are_fsynced_before_a_shard_index_names_them(tmp_path, monkeypatch):
+    """Chunks are renamed in unsynced; each shard index must come after their fsync."""
+    from asynccache.optimize import job as jobmod
+    from asynccache.optimize import shard as shardmod
+
+    events: list[tuple[str, list[str]]] = []
+    real_sync, real_put = shardmod.sync_files, jobmod._put_local
+
+    def sync(paths):
+        real_sync(paths)
+        events.append(("fsync", [os.path.basename(p) for p in paths]))
+
+    def put(path, data, durable):
+        real_put(path, data, durable)
+        if path.endswith(".index.json") and "/shard-" in path:
+            events.append(("index", [c["filename"] for c in json.loads(data)["chunks"]]))
+
+    monkeypatch.setattr(shardmod, "sync_files", sync)
+    monkeypatch.setattr(jobmod, "_put_local", put)
+    out = str(tmp_path / "out")
+    optimize(helpers.items, list(range(60)), out, num_workers=0, num_shards=3,
+             chunk_bytes="1KB", settings=QUIET)  # fmt: skip
+    indexes = [names for kind, names in events if kind == "index"]
+    assert len(indexes) == 3 and all(indexes)  # the property below is not vacuous
+    synced: set[str] = set()
+    for kind, names in events:
+        if kind == "fsync":
+            synced.update(names)
+        else:
+            assert set(names) <= synced, f"a shard index named unsynced chunks {names}"
