@@ -25,7 +25,12 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             seed=cfg.get("seed", 7),
             storage_options=cfg["storage_options"],
         )
-        dl = CacheDataLoader(ds, batch_size=cfg["batch_size"], num_workers=2)
+        dl = CacheDataLoader(
+            ds,
+            batch_size=cfg["batch_size"],
+            num_workers=2,
+            persistent_workers=cfg.get("persistent", False),
+        )
         if cfg.get("resume_from"):
             with open(cfg["resume_from"], "rb") as f:
                 dl.load_state_dict(pickle.load(f))
