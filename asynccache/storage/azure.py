@@ -35,6 +35,7 @@ from .transport import (
     encoded_url,
     gather_or_cancel,
     range_header,
+    send_small,
     stream_response,
 )
 
@@ -138,21 +139,17 @@ class AzureStorage(Storage):
             hdrs["Content-Type"] = "application/octet-stream"
         async with map_client_errors(what, method):
             signed = await self._signed(method, href, hdrs)
-            session = self._sessions.get()
-            async with session.request(
-                method, encoded_url(href), headers=signed, data=data
-            ) as resp:
-                body = await resp.read()
-                if resp.status not in ok:
-                    raise status_error(
-                        resp.status,
-                        what,
-                        body=body,
-                        headers=resp.headers,
-                        method=method,
-                        credential_source=self.auth.source,
-                    )
-                return S3Response(resp.status, resp.headers, body)
+            status, rhdrs, body = await send_small(
+                self._sessions.get(),
+                method,
+                href,
+                what=what,
+                headers=signed,
+                data=data,
+                ok=ok,
+                credential_source=self.auth.source,
+            )
+            return S3Response(status, rhdrs, body)
 
     async def _head_impl(self, key: str) -> ObjectInfo:
         url = self.object_url(key)

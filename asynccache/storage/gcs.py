@@ -33,6 +33,7 @@ from .transport import (
     check_range,
     encoded_url,
     range_header,
+    send_small,
     stream_response,
 )
 
@@ -107,19 +108,16 @@ class GcsStorage(Storage):
         async with map_client_errors(what, method):
             hdrs = dict(headers or {})
             hdrs.update(await self.auth.headers())
-            session = self._sessions.get()
-            async with session.request(method, encoded_url(href), headers=hdrs, data=data) as resp:
-                body = await resp.read()
-                if resp.status not in ok:
-                    raise status_error(
-                        resp.status,
-                        what,
-                        body=body,
-                        headers=resp.headers,
-                        method=method,
-                        credential_source=self.auth.source,
-                    )
-                return resp.status, resp.headers, body
+            return await send_small(
+                self._sessions.get(),
+                method,
+                href,
+                what=what,
+                headers=hdrs,
+                data=data,
+                ok=ok,
+                credential_source=self.auth.source,
+            )
 
     def _json(self, body: bytes, what: str) -> dict[str, Any]:
         try:

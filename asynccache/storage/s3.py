@@ -17,7 +17,7 @@ from urllib.parse import quote
 from ..config import Settings
 from ..errors import ObjectNotFoundError, StorageError
 from .base import ObjectInfo, Storage
-from .errmap import map_client_errors, status_error
+from .errmap import map_client_errors
 from .s3_auth import S3Signer
 from .s3_multipart import upload_multipart
 from .s3_wire import NS, S3Response, file_body, parse_xml
@@ -26,6 +26,7 @@ from .transport import (
     check_range,
     encoded_url,
     range_header,
+    send_small,
     stream_response,
 )
 
@@ -124,21 +125,17 @@ class S3Storage(Storage):
         href = self.href(key, query)
         async with map_client_errors(what, method):
             signed = await self.signer.sign(method, href, headers)
-            session = self._sessions.get()
-            async with session.request(
-                method, encoded_url(href), headers=signed, data=data
-            ) as resp:
-                body = await resp.read()
-                if resp.status not in ok:
-                    raise status_error(
-                        resp.status,
-                        what,
-                        body=body,
-                        headers=resp.headers,
-                        method=method,
-                        credential_source=self.signer.source,
-                    )
-                return S3Response(resp.status, resp.headers, body)
+            status, hdrs, body = await send_small(
+                self._sessions.get(),
+                method,
+                href,
+                what=what,
+                headers=signed,
+                data=data,
+                ok=ok,
+                credential_source=self.signer.source,
+            )
+            return S3Response(status, hdrs, body)
 
     async def _head_impl(self, key: str) -> ObjectInfo:
         resp = await self.request("HEAD", key, what=self.object_url(key))

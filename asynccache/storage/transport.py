@@ -265,6 +265,36 @@ async def stream_response(
             resp.close()
 
 
+async def send_small(
+    session: aiohttp.ClientSession,
+    method: str,
+    href: str,
+    *,
+    what: str,
+    headers: Mapping[str, str],
+    data: Any = None,
+    ok: tuple[int, ...] = (200,),
+    credential_source: str | None = None,
+) -> tuple[int, Any, bytes]:
+    """Send one request whose answer is small and read it: ``(status, headers, body)``.
+
+    A status outside ``ok`` raises the mapped error naming ``what`` (the URL, never a
+    secret). The caller wraps this in ``map_client_errors`` for connection failures.
+    """
+    async with session.request(method, encoded_url(href), headers=headers, data=data) as resp:
+        body = await resp.read()
+        if resp.status not in ok:
+            raise status_error(
+                resp.status,
+                what,
+                body=body,
+                headers=resp.headers,
+                method=method,
+                credential_source=credential_source,
+            )
+        return resp.status, resp.headers, body
+
+
 async def gather_or_cancel(coros: Iterable[Awaitable[Any]]) -> list[Any]:
     """Run ``coros`` concurrently; on the first failure cancel the rest, wait, re-raise.
 
