@@ -6,7 +6,7 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from .errors import CacheError
 
@@ -38,7 +38,7 @@ def atomic_write(path: str, pieces: Iterable[bytes | memoryview], *, fsync: bool
     """
     tmp = temp_name(path)
     n = 0
-    try:
+    with publishing(tmp, path):
         with open(tmp, "wb") as f:
             for piece in pieces:
                 f.write(piece)
@@ -47,6 +47,16 @@ def atomic_write(path: str, pieces: Iterable[bytes | memoryview], *, fsync: bool
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    return n
+
+
+@contextlib.contextmanager
+def publishing(tmp: str, path: str) -> Iterator[None]:
+    """Around writing ``tmp`` and renaming it to ``path``: on any failure ``tmp`` is
+    removed (nothing half-written stays), and an ``OSError`` becomes a ``CacheError``
+    naming ``path`` (a full disk said as such)."""
+    try:
+        yield
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -54,4 +64,3 @@ def atomic_write(path: str, pieces: Iterable[bytes | memoryview], *, fsync: bool
             why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror
             raise CacheError(f"cannot write {path}: {why}") from exc
         raise
-    return n

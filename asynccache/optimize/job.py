@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -43,9 +42,9 @@ import xxhash
 from ..bridge import get_loop_thread
 from ..config import Settings
 from ..download.retry import RetryPolicy
-from ..errors import CacheError, ObjectNotFoundError, TransientError, WriteConflictError
+from ..errors import ObjectNotFoundError, TransientError, WriteConflictError
 from ..format import INDEX_NAME, Index
-from ..fsutil import fsync_dir
+from ..fsutil import fsync_dir, publishing
 from ..storage import Storage, open_storage
 from ..storage.local import TEMP_PREFIX
 
@@ -149,7 +148,7 @@ def write_file(
     head, tail = os.path.split(path)
     tmp = os.path.join(head, f"{TEMP_PREFIX}{tail}.{os.getpid()}.{secrets.token_hex(4)}")
     n = 0
-    try:
+    with publishing(tmp, path):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             batch: list[bytes | memoryview] = []
@@ -169,13 +168,6 @@ def write_file(
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            why = "the disk is full" if exc.errno == errno.ENOSPC else exc.strerror
-            raise CacheError(f"cannot write {path}: {why}") from exc
-        raise
     return n
 
 
