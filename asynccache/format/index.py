@@ -147,15 +147,20 @@ class ChunkEntry:
     bytes: int
     checksum: str
     keys: tuple[tuple[int, int], ...]
+    #: Tokens the chunk holds (token datasets); None when the writer did not count them.
+    tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "filename": self.filename,
             "items": self.items,
             "bytes": self.bytes,
             "checksum": self.checksum,
             "keys": [list(r) for r in self.keys],
         }
+        if self.tokens is not None:
+            doc["tokens"] = self.tokens
+        return doc
 
 
 def runs(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -187,6 +192,25 @@ class Index:
     @functools.cached_property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.chunks)
+
+    @functools.cached_property
+    def items_per_chunk(self) -> np.ndarray:
+        """Item count of each chunk (int64, read-only), in chunk order."""
+        return _frozen(np.fromiter((c.items for c in self.chunks), np.int64, len(self.chunks)))
+
+    @functools.cached_property
+    def bytes_per_chunk(self) -> np.ndarray:
+        """Byte size of each chunk file (int64, read-only), in chunk order."""
+        return _frozen(np.fromiter((c.bytes for c in self.chunks), np.int64, len(self.chunks)))
+
+    @functools.cached_property
+    def tokens_per_chunk(self) -> np.ndarray | None:
+        """Token count of each chunk (int64, read-only); None when any chunk lacks one."""
+        if any(c.tokens is None for c in self.chunks):
+            return None
+        return _frozen(
+            np.fromiter((int(c.tokens or 0) for c in self.chunks), np.int64, len(self.chunks))
+        )
 
     def to_json(self) -> str:
         doc: dict[str, Any] = {
@@ -326,6 +350,11 @@ class Index:
         return ci, pos + (key - starts[r])
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:
     name = check_filename(c["filename"], where)
     items, size, ck = c["items"], c["bytes"], c["checksum"]
@@ -333,8 +362,13 @@ def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:
         raise BadIndexError(f"{where}: {name}: items and bytes must be non-negative integers")
     if not (isinstance(ck, str) and ck.startswith(CHECKSUM_ALGO + ":")):
         raise BadIndexError(f"{where}: {name}: checksum {ck!r} is not {CHECKSUM_ALGO}")
+    tokens = c.get("tokens")
+    if tokens is not None and not (
+        isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+    ):
+        raise BadIndexError(f"{where}: {name}: tokens must be a non-negative integer")
     keys = tuple((int(a), int(b)) for a, b in c.get("keys", [[first, items]]))
-    return ChunkEntry(name, items, size, ck, keys)
+    return ChunkEntry(name, items, size, ck, keys, tokens)
 
 
 def merge(parts: Iterable[Index], config: Mapping[str, Any] | None = None) -> Index:
