@@ -15,8 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from . import forksafe
-from .errors import ChecksumMismatchError, ObjectNotFoundError, TruncatedChunkError
+from .errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
 
 Resolve = Callable[[int, ChunkEntry], str]
@@ -57,6 +59,10 @@ def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, Chunk
     view = ChunkView(mm, path)
     if len(view) != entry.items:
         raise TruncatedChunkError(f"{path}: holds {len(view)} items, the index says {entry.items}")
+    if entry.tokens is not None and view.token_dtype is not None and view.tokens != entry.tokens:
+        raise TruncatedChunkError(
+            f"{path}: holds {view.tokens} tokens, the index says {entry.tokens}"
+        )
     return mm, view
 
 
@@ -111,9 +117,26 @@ class Reader:
         """Item ``pos`` of chunk number ``chunk``."""
         m = self._chunk(chunk)
         start, end = m.view.span(pos)
+        dt = m.view.token_dtype
+        if dt is not None:  # a token chunk: the document is a view of the mapping
+            return np.frombuffer(m.mm, dt, (end - start) // dt.itemsize, start)
         return decode(
             m.mm, start, end, where=f"{m.path} item {pos}", allow_pickle=self._allow_pickle
         )
+
+    def chunk_tokens(self, chunk: int) -> np.ndarray:
+        """Every token of token chunk number ``chunk``, as one view of its mapping.
+
+        Raises:
+            DataError: the chunk holds items, not tokens.
+        """
+        m = self._chunk(chunk)
+        dt = m.view.token_dtype
+        if dt is None:
+            raise DataError(f"{m.path}: holds items, not tokens (written without tokens=)")
+        if not m.view.tokens:
+            return np.empty(0, dt)
+        return np.frombuffer(m.mm, dt, m.view.tokens, m.view.token_start)
 
     def _chunk(self, ci: int) -> _Mapped:
         with self._lock:

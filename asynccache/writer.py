@@ -41,6 +41,7 @@ from .format import (
 )
 from .format.index import format_checksum, new_hasher
 from .format.items import compressor
+from .format.tokens import encode_tokens, flags_for, token_dtype
 from .fsutil import atomic_write, fsync_dir
 from .writelock import is_held, read_holder
 
@@ -65,6 +66,10 @@ class ChunkWriter:
 
     A single item larger than ``chunk_bytes`` gets a chunk of its own. Keys may arrive in
     any order; each chunk records the runs of keys it holds.
+
+    With ``tokens`` (a dtype such as ``"uint16"``), every item is a document: a 1-D
+    integer array stored as raw tokens of that dtype (a token chunk, docs/tokens.md), and
+    each chunk's token count goes into the index.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class ChunkWriter:
         token: str | None = None,
         allow_pickle: bool = False,
         compression: str | None = None,
+        tokens: str | None = None,
     ) -> None:
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -93,6 +99,10 @@ class ChunkWriter:
         self.compression = compression
         if compression is not None:
             compressor(compression)  # fail now, not at the first item
+        self.token_dtype = None if tokens is None else token_dtype(tokens)
+        if self.token_dtype is not None and compression is not None:
+            raise ConfigError("tokens= and compression= can't be combined (tokens are mapped)")
+        self._tokens = 0
         self._keys: list[int] = []
         self._items: list[list[memoryview | bytes]] = []
         self._bytes = 0
@@ -102,18 +112,24 @@ class ChunkWriter:
 
     @property
     def config(self) -> dict[str, Any]:
-        return {
+        cfg = {
             "chunk_bytes": self.chunk_bytes,
             "chunk_size": self.chunk_size,
             "compression": self.compression,
             "writer": f"asynccache {__version__}",
         }
+        if self.token_dtype is not None:
+            cfg["token_dtype"] = self.token_dtype.name
+        return cfg
 
     def add(self, key: int, item: Any) -> None:
         """Store ``item`` under ``key`` (a non-negative int)."""
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
             raise ConfigError(f"cache keys must be non-negative integers, got {key!r}")
-        pieces = encode(item, allow_pickle=self.allow_pickle, compression=self.compression)
+        if self.token_dtype is not None:
+            pieces = encode_tokens(item, self.token_dtype)
+        else:
+            pieces = encode(item, allow_pickle=self.allow_pickle, compression=self.compression)
         size = encoded_size(pieces) + 8
         full_by_bytes = self.chunk_bytes is not None and self._bytes + size > self.chunk_bytes
         full_by_count = self.chunk_size is not None and len(self._items) >= self.chunk_size
@@ -122,6 +138,7 @@ class ChunkWriter:
         self._keys.append(key)
         self._items.append(pieces)
         self._bytes += size
+        self._tokens += encoded_size(pieces)
         self.items_written += 1
 
     def flush(self) -> None:
@@ -131,16 +148,22 @@ class ChunkWriter:
         name = f"chunk-{self.writer}-{len(self._entries)}.bin"
         hasher = new_hasher()
 
+        dt = self.token_dtype
+        flags = 0 if dt is None else flags_for(dt)
+
         def pieces() -> Iterable[bytes | memoryview]:
-            for p in build(self._items):
+            for p in build(self._items, flags):
                 hasher.update(p)
                 yield p
 
         size = atomic_write(os.path.join(self.directory, name), pieces(), fsync=True)
+        tokens = None if dt is None else self._tokens // dt.itemsize
         self._entries.append(
-            ChunkEntry(name, len(self._items), size, format_checksum(hasher), runs(self._keys))
+            ChunkEntry(
+                name, len(self._items), size, format_checksum(hasher), runs(self._keys), tokens
+            )
         )
-        self._keys, self._items, self._bytes = [], [], 0
+        self._keys, self._items, self._bytes, self._tokens = [], [], 0, 0
 
     def finish(self) -> Index:
         """Flush and write ``{writer}.index.json``; returns this writer's index."""
@@ -287,6 +310,9 @@ def compact_dir(directory: str, index: Index) -> Index:
         entries: list[ChunkEntry] = []
         batch: list[list[memoryview | bytes]] = []
         batch_bytes = 0
+        # A token dataset stays one: the same flags, and each chunk's token count.
+        dt = views[0].token_dtype if views else None
+        flags = 0 if dt is None else flags_for(dt)
 
         def flush(first: int) -> None:
             nonlocal batch, batch_bytes
@@ -296,13 +322,21 @@ def compact_dir(directory: str, index: Index) -> Index:
             hasher = new_hasher()
 
             def pieces() -> Iterable[bytes | memoryview]:
-                for p in build(batch):
+                for p in build(batch, flags):
                     hasher.update(p)
                     yield p
 
             size = atomic_write(os.path.join(directory, name), pieces(), fsync=True)
+            tokens = None if dt is None else sum(len(p[0]) for p in batch) // dt.itemsize
             entries.append(
-                ChunkEntry(name, len(batch), size, format_checksum(hasher), ((first, len(batch)),))
+                ChunkEntry(
+                    name,
+                    len(batch),
+                    size,
+                    format_checksum(hasher),
+                    ((first, len(batch)),),
+                    tokens,
+                )
             )
             batch, batch_bytes = [], 0
 

@@ -5,11 +5,14 @@ Byte layout (little-endian)::
     offset  size        field
     0       8           magic  b"ACCHUNK\\n"
     8       4           u32 format version (1)
-    12      4           u32 flags (0; reserved)
+    12      4           u32 flags (0: items; bit 0 and a dtype code: tokens, see tokens.py)
     16      8           u64 item count N
     24      8*(N+1)     u64 offsets: item i is bytes [off[i], off[i+1]); off[N] == file size
     ...                 zero padding to 64
     off[0]              item 0 (see items.py), each item starts on a 64-byte boundary
+
+In a token chunk the items are raw little-endian tokens packed with no padding, so the
+tokens of the whole chunk are the contiguous bytes ``[off[0], off[N])``.
 
 A chunk is valid only if its size equals ``off[N]``: a truncated file is always detected.
 Pure module: it builds bytes and parses buffers, it does no I/O.
@@ -25,6 +28,7 @@ import numpy as np
 
 from ..errors import BadMagicError, TruncatedChunkError, UnsupportedVersionError
 from .items import align, encoded_size
+from .tokens import dtype_of_flags
 
 MAGIC = b"ACCHUNK\n"
 VERSION = 1
@@ -37,8 +41,11 @@ def items_start(count: int) -> int:
     return align(HEADER_BYTES + 8 * (count + 1))
 
 
-def build(encoded_items: Iterable[list[memoryview | bytes]]) -> Iterator[memoryview | bytes]:
-    """Yield the pieces of a chunk file holding ``encoded_items`` (from ``items.encode``)."""
+def build(
+    encoded_items: Iterable[list[memoryview | bytes]], flags: int = 0
+) -> Iterator[memoryview | bytes]:
+    """Yield the pieces of a chunk file holding ``encoded_items`` (from ``items.encode``,
+    or from ``tokens.encode_tokens`` with ``flags=tokens.flags_for(dtype)``)."""
     items = list(encoded_items)
     offsets = np.empty(len(items) + 1, dtype="<u8")
     pos = items_start(len(items))
@@ -46,7 +53,7 @@ def build(encoded_items: Iterable[list[memoryview | bytes]]) -> Iterator[memoryv
         offsets[i] = pos
         pos += encoded_size(pieces)
     offsets[len(items)] = pos
-    yield _HEAD.pack(MAGIC, VERSION, 0, len(items))
+    yield _HEAD.pack(MAGIC, VERSION, flags, len(items))
     yield offsets.tobytes()
     yield b"\0" * (items_start(len(items)) - HEADER_BYTES - offsets.nbytes)
     for pieces in items:
@@ -55,6 +62,9 @@ def build(encoded_items: Iterable[list[memoryview | bytes]]) -> Iterator[memoryv
 
 class ChunkView:
     """Parsed header of a chunk held in a buffer (an mmap); item ``i`` spans ``span(i)``.
+
+    ``token_dtype`` is the dtype of a token chunk (None for a chunk of items); its tokens
+    are ``tokens`` elements from byte ``token_start``.
 
     Raises on construction:
         BadMagicError, UnsupportedVersionError, TruncatedChunkError: naming ``name``.
@@ -66,7 +76,7 @@ class ChunkView:
             if size < len(MAGIC) and bytes(buf[:size]) != MAGIC[:size]:
                 raise BadMagicError(f"{name}: not an asynccache chunk (bad magic bytes)")
             raise TruncatedChunkError(f"{name}: {size} bytes is shorter than a chunk header")
-        magic, version, _flags, count = _HEAD.unpack_from(buf, 0)
+        magic, version, flags, count = _HEAD.unpack_from(buf, 0)
         if magic != MAGIC:
             raise BadMagicError(f"{name}: not an asynccache chunk (bad magic bytes {magic!r})")
         if version != VERSION:
@@ -89,6 +99,17 @@ class ChunkView:
         self.name = name
         self.count = int(count)
         self._offsets = offsets.astype(np.int64)
+        self.token_dtype = dtype_of_flags(flags, name)
+        self.token_start = int(offsets[0]) if count else size
+        self.tokens = 0
+        if self.token_dtype is not None and count:
+            width = self.token_dtype.itemsize
+            if np.any(self._offsets % width != self._offsets[0] % width):
+                raise TruncatedChunkError(
+                    f"{name}: a document of this token chunk is not a whole number of "
+                    f"{self.token_dtype.name} tokens"
+                )
+            self.tokens = (size - self.token_start) // width
 
     def __len__(self) -> int:
         return self.count
