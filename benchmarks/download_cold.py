@@ -1,19 +1,26 @@
-"""Cold prefetch from a local S3 server: asynccache's downloader vs a bare aiohttp GET loop.
+"""Cold prefetch from a local S3 server: asynccache's downloader vs the bare GET loops.
 
-Both sides fetch the same objects, as the same ranged parts, with the same number of
-requests in flight, in the same run. The bare loop signs each GET and discards the body:
-it is the limit of this machine (loopback + the S3 server). The downloader also writes
-every byte to a fresh cache directory, verifies its xxh3_64 checksum, fsyncs and
-publishes it. Reported: throughput of each, their ratio, median of ``--reps``.
+All sides fetch the same objects, as the same ranged parts, with the same number of
+requests in flight, in the same run:
 
-    python benchmarks/download_cold.py [--total-mib 512] [--chunk-mib 8 64 256]
+* (i) raw GET: the bare aiohttp loop, bodies counted and dropped;
+* (i-b) raw GET into files: the same loop writing each object into a file with ``pwrite``
+  as pieces arrive (no checksum, no fsync): the limit of a cache on this box;
+* asynccache: ``prefetch_dataset`` into a fresh cache dir (write, xxh3_64 verification,
+  atomic publish), durable (fsync, the default) and not (``ASYNCCACHE_DURABLE=0``).
+
+Reported per chunk size: wall-time ratios to (i-b) and (i), and client CPU seconds (this
+process, ``getrusage``) as a ratio to (i-b)'s, median (min-max) of ``--reps``, each ratio
+computed within one repetition. The object store's CPU is shown for reference.
+
+    python benchmarks/download_cold.py [--total-mib 512] [--chunk-mib 64 8 256]
+        [--concurrency 8] [--part-mib <ASYNCCACHE_PART_BYTES default>] [--reps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import os
 import shutil
 import statistics
@@ -35,7 +42,7 @@ from asynccache.testing import ObjectStore
 
 def _make_source(src: Path, total: int, chunk: int, blob: bytes) -> list[ChunkSpec]:
     specs = []
-    for i in range(total // chunk):
+    for i in range(max(1, total // chunk)):
         data = blob[(i * chunk) % len(blob) :][:chunk]
         if len(data) < chunk:
             data += blob[: chunk - len(data)]
@@ -55,15 +62,51 @@ async def _upload(storage, src: Path, specs: list[ChunkSpec]) -> None:
     await asyncio.gather(*(one(s) for s in specs))
 
 
-def _bare(
-    target: limits.S3Target, specs: list[ChunkSpec], concurrency: int, part_bytes: int
-) -> float:
-    """Signed ranged GETs, bodies discarded: the transport limit. Bytes per second."""
-    parts = [(f"ds/{s.name}", a, b) for s in specs for a, b in split_parts(s.size or 0, part_bytes)]
-    seconds = asyncio.run(
-        limits.raw_get(target, parts, concurrency, warm=False, piece_bytes=1 << 20)
+def _parts(specs: list[ChunkSpec], part_bytes: int) -> list[limits.Part]:
+    return [(f"ds/{s.name}", a, b) for s in specs for a, b in split_parts(s.size or 0, part_bytes)]
+
+
+class Run:
+    """One measured side of one repetition: seconds, client CPU s, store CPU s."""
+
+    def __init__(self, seconds: float, clock: limits.CpuClock) -> None:
+        self.seconds, self.cpu, self.store_cpu = seconds, clock.client, clock.other
+
+
+def _bare(target, specs, concurrency, part_bytes, store_pid) -> Run:
+    with limits.CpuClock(store_pid) as clock:
+        seconds = asyncio.run(limits.raw_get(target, _parts(specs, part_bytes), concurrency))
+    return Run(seconds, clock)
+
+
+def _into_files(target, specs, concurrency, part_bytes, store_pid, work: Path) -> Run:
+    out = work / "raw-files"
+    shutil.rmtree(out, ignore_errors=True)
+    with limits.CpuClock(store_pid) as clock:
+        seconds = asyncio.run(
+            limits.raw_get_into_files(target, _parts(specs, part_bytes), concurrency, out)
+        )
+    shutil.rmtree(out, ignore_errors=True)
+    return Run(seconds, clock)
+
+
+def _ours(storage, specs, settings, work: Path, tag: str, durable: bool, store_pid) -> Run:
+    """One cold prefetch into an empty cache dir."""
+    cache = work / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    store = ChunkStore(
+        dataset_dir(cache, "s3://bench-data/ds", tag),
+        max_cache_bytes=settings.max_cache_bytes,
+        durable=durable,
     )
-    return sum(b - a for _, a, b in parts) / seconds
+    with limits.CpuClock(store_pid) as clock:
+        t0 = time.perf_counter()
+        stats = prefetch_dataset(storage, store, specs, settings, progress=False)
+        seconds = time.perf_counter() - t0
+    assert stats.chunks_fetched == len(specs), stats
+    store.close()
+    shutil.rmtree(cache, ignore_errors=True)
+    return Run(seconds, clock)
 
 
 def main() -> None:
@@ -71,13 +114,14 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--chunk-mib", type=int, nargs="+", default=[64, 8, 256])
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--part-mib", type=int, default=32)
+    ap.add_argument("--part-mib", type=int, default=Settings().part_bytes >> 20)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     total = args.total_mib << 20
     part_bytes = args.part_mib << 20
     lt = get_loop_thread()
     work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
+    load_before = limits.loadavg()
     rows = []
     try:
         with ObjectStore(volume_size_limit_mb=1024) as objstore:
@@ -94,94 +138,85 @@ def main() -> None:
             lt.register_closer(storage.close)
             target = limits.S3Target.of(objstore, "bench-data")
             blob = os.urandom(min(total, 256 << 20))
+            pid = objstore.pid
             for chunk_mib in args.chunk_mib:
                 src = work / f"src-{chunk_mib}"
                 src.mkdir()
                 specs = _make_source(src, total, chunk_mib << 20, blob)
                 lt.call(_upload(storage, src, specs), 1800)
                 shutil.rmtree(src)
-                bare: list[float] = []
-                ours: dict[bool, list[float]] = {True: [], False: []}
+                reps: list[dict[str, Run]] = []
                 for rep in range(args.reps):
-                    bare.append(_bare(target, specs, args.concurrency, part_bytes))
+                    runs = {
+                        "bare": _bare(target, specs, args.concurrency, part_bytes, pid),
+                        "files": _into_files(
+                            target, specs, args.concurrency, part_bytes, pid, work
+                        ),
+                    }
                     for durable in (True, False):
-                        ours[durable].append(
-                            _ours(storage, specs, settings, work, f"{chunk_mib}/{rep}", durable)
+                        runs["ours" if durable else "nosync"] = _ours(
+                            storage, specs, settings, work, f"{chunk_mib}/{rep}", durable, pid
                         )
-                disk = _disk_limit(work, specs, blob, settings.max_concurrency)
-                b = statistics.median(bare)
-                o = statistics.median(ours[True])
-                f = statistics.median(ours[False])
-                rows.append((chunk_mib, len(specs), b, o, f, disk))
-                print(
-                    f"chunk {chunk_mib:>4} MiB x {len(specs):>3}: bare {b / 1e6:8.1f} MB/s  "
-                    f"asynccache {o / 1e6:8.1f} MB/s (ratio {o / b:.2f}), "
-                    f"without fsync {f / 1e6:8.1f} MB/s (ratio {f / b:.2f}), "
-                    f"disk write+fsync limit {disk / 1e6:8.1f} MB/s",
-                    flush=True,
-                )
+                    reps.append(runs)
+                rows.append((chunk_mib, len(specs), reps))
+                print(_line(chunk_mib, len(specs), reps, total), flush=True)
                 lt.call(_delete_all(storage, specs), 600)
     finally:
         lt.close()
         shutil.rmtree(work, ignore_errors=True)
     print(
-        f"\ncold prefetch of {args.total_mib} MiB from local SeaweedFS, "
-        f"concurrency {args.concurrency}, parts {args.part_mib} MiB, median of {args.reps}"
+        f"\ncold prefetch of {args.total_mib} MiB from local SeaweedFS, concurrency "
+        f"{args.concurrency}, parts {args.part_mib} MiB, median (min-max) of {args.reps}; "
+        f"{limits.cores()} cores, load {load_before} -> {limits.loadavg()}; "
+        f"{limits.versions('aiohttp', 'xxhash')}"
     )
     print(
-        "| chunk | chunks | bare aiohttp GET MB/s | asynccache MB/s | ratio "
-        "| asynccache, no fsync MB/s | ratio | disk write+fsync MB/s |"
+        "| chunk | chunks | (i-b) raw GET into files MB/s | asynccache wall / (i-b) "
+        "| CPU / (i-b) CPU | no fsync: wall / (i-b) | CPU / (i-b) CPU | (i-b) / (i) "
+        "| CPU s (i-b) | store CPU s (i-b) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for chunk_mib, n, b, o, f, disk in rows:
-        print(
-            f"| {chunk_mib} MiB | {n} | {b / 1e6:.0f} | {o / 1e6:.0f} | {o / b:.2f} "
-            f"| {f / 1e6:.0f} | {f / b:.2f} | {disk / 1e6:.0f} |"
-        )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for chunk_mib, n, reps in rows:
+        print(f"| {chunk_mib} MiB | {n} | " + " | ".join(_cells(reps, total)) + " |")
 
 
-def _disk_limit(work: Path, specs: list[ChunkSpec], blob: bytes, threads: int) -> float:
-    """Writing the same bytes to new files with fsync, no network: the local disk's limit."""
-    out = work / "disk"
-    out.mkdir()
-    view = memoryview(blob)
-
-    def write(i: int, spec: ChunkSpec) -> None:
-        size = spec.size or 0
-        fd = os.open(out / spec.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            pos = 0
-            while pos < size:
-                n = min(size - pos, len(view), 8 << 20)
-                pos += os.pwrite(fd, view[:n], pos)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bench-disk") as ex:
-        list(ex.map(write, range(len(specs)), specs))
-    elapsed = time.perf_counter() - t0
-    shutil.rmtree(out)
-    return sum(s.size or 0 for s in specs) / elapsed
+def _ratios(reps: list[dict[str, Run]], total: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in ("mbs", "o", "oc", "n", "nc", "fb", "fc", "sc")}
+    for r in reps:
+        f = r["files"]
+        out["mbs"].append(total / f.seconds / 1e6)
+        out["o"].append(f.seconds / r["ours"].seconds)
+        out["oc"].append(r["ours"].cpu / f.cpu)
+        out["n"].append(f.seconds / r["nosync"].seconds)
+        out["nc"].append(r["nosync"].cpu / f.cpu)
+        out["fb"].append(r["bare"].seconds / f.seconds)
+        out["fc"].append(f.cpu)
+        out["sc"].append(f.store_cpu)
+    return out
 
 
-def _ours(storage, specs, settings, work: Path, tag: str, durable: bool) -> float:
-    """One cold prefetch into an empty cache dir; bytes per second."""
-    cache = work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    store = ChunkStore(
-        dataset_dir(cache, "s3://bench-data/ds", tag),
-        max_cache_bytes=settings.max_cache_bytes,
-        durable=durable,
+def _cells(reps: list[dict[str, Run]], total: int) -> list[str]:
+    r = _ratios(reps, total)
+    return [
+        limits.cell(r["mbs"], ",.0f"),
+        limits.cell(r["o"], ".2f"),
+        limits.cell(r["oc"], ".2f"),
+        limits.cell(r["n"], ".2f"),
+        limits.cell(r["nc"], ".2f"),
+        limits.cell(r["fb"], ".2f"),
+        limits.cell(r["fc"], ".2f"),
+        limits.cell(r["sc"], ".2f"),
+    ]
+
+
+def _line(chunk_mib: int, n: int, reps: list[dict[str, Run]], total: int) -> str:
+    r = _ratios(reps, total)
+    med = statistics.median
+    return (
+        f"chunk {chunk_mib:>4} MiB x {n:>3}: (i-b) {med(r['mbs']):7.0f} MB/s; asynccache "
+        f"wall {med(r['o']):.2f} CPU {med(r['oc']):.2f} of (i-b); no fsync wall "
+        f"{med(r['n']):.2f} CPU {med(r['nc']):.2f}; (i-b)/(i) {med(r['fb']):.2f}"
     )
-    t0 = time.perf_counter()
-    stats = prefetch_dataset(storage, store, specs, settings, progress=False)
-    elapsed = time.perf_counter() - t0
-    assert stats.chunks_fetched == len(specs), stats
-    store.close()
-    shutil.rmtree(cache, ignore_errors=True)
-    return stats.bytes / elapsed
 
 
 async def _delete_all(storage, specs: list[ChunkSpec]) -> None:

@@ -6,6 +6,8 @@ and ``benchmarks/README.md``):
 * :func:`raw_get` / :func:`raw_get_sync`: the raw GET limit (i). A bare aiohttp loop that
   signs each GET with botocore (SigV4, unsigned payload), keeps ``concurrency`` requests in
   flight, counts the body bytes and drops them. No library code is on this path.
+* :func:`raw_get_into_files`: the limit (i-b), the same loop writing each object into a
+  file with ``pwrite`` as pieces arrive (no checksum, no fsync).
 * :func:`raw_read`: the raw local-read limit (ii), ``readinto`` of files in 8 MiB blocks.
 * :class:`CpuClock`: CPU seconds of this process plus its reaped children
   (``getrusage``) and of another process (``/proc/<pid>/stat``), e.g. the object store.
@@ -142,6 +144,60 @@ async def raw_get(
         if warm and parts:
             await fetch((parts[0][0], 0, 1))
         return await run_parts(parts, concurrency, fetch)
+
+
+async def raw_get_into_files(
+    target: S3Target,
+    parts: Sequence[Part],
+    concurrency: int,
+    directory: str | os.PathLike[str],
+    *,
+    warm: bool = True,
+) -> float:
+    """Seconds for the bare loop to GET every part into files: the limit (i-b).
+
+    The same loop as :func:`raw_get`, but each object becomes one file under
+    ``directory`` (named after its key, created before the clock starts) and
+    every piece is written with ``os.pwrite`` at its offset as it arrives, on the event
+    loop. No checksum, no fsync, no rename: what any cache must at least do.
+    """
+    os.makedirs(directory, exist_ok=True)
+    fds: dict[str, int] = {}
+    for key, _, _ in parts:
+        if key not in fds:
+            fds[key] = os.open(
+                os.path.join(directory, key.replace("/", "_")),
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                0o644,
+            )
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency), auto_decompress=False
+        ) as session:
+
+            async def fetch(part: Part) -> int:
+                key, start, end = part
+                url = target.url(key)
+                headers = target.signed_headers(url, start, end)
+                fd, pos = fds[key], start
+                async with session.get(URL(url, encoded=True), headers=headers) as r:
+                    r.raise_for_status()
+                    async for piece in r.content.iter_any():
+                        os.pwrite(fd, piece, pos)
+                        pos += len(piece)
+                return pos - start
+
+            if warm and parts:
+                key = parts[0][0]
+                url = target.url(key)
+                async with session.get(
+                    URL(url, encoded=True), headers=target.signed_headers(url, 0, 1)
+                ) as r:
+                    await r.read()  # the first connect, not timed
+            return await run_parts(parts, concurrency, fetch)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def raw_get_sync(target: S3Target, parts: Sequence[Part], concurrency: int) -> float:

@@ -15,6 +15,7 @@ from ..storage.base import Storage
 from .progress import ProgressClock
 from .retry import RetryPolicy
 from .stats import DownloadStats
+from .writeback import WRITEBACK_BYTES, start_writeback
 
 __all__ = ["Hasher", "fetch_range", "split_parts"]
 
@@ -135,6 +136,8 @@ async def _stream(
     pos = cursor[0]
     pieces = storage.iter_range(key, pos, end).__aiter__()
     watchdog = _StallWatchdog(limits.timeout_s, limits.min_bytes_per_s)
+    # Durable chunks are fsynced at publish: start writing them back as they arrive.
+    flushed = pos if out.durable and out.fd is not None else None
     try:
         async for piece in pieces:
             watchdog.progress(len(piece))
@@ -148,6 +151,10 @@ async def _stream(
             pos += len(piece)
             cursor[0] = pos
             stats.bytes += len(piece)
+            if flushed is not None and (pos - flushed >= WRITEBACK_BYTES or pos >= end):
+                assert out.fd is not None
+                start_writeback(out.fd, flushed, pos - flushed)
+                flushed = pos
             if pos >= end:
                 break
     except asyncio.CancelledError:
