@@ -20,19 +20,39 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from .cache.board import Board, board_path
 from .cache.plan import EpochPlan, PlanPolicy, Stream
 from .errors import ConfigError
 from .format import Index
-from .sampling import EpochOrder
-from .sampling.partition import Interval
+from .sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
+from .sampling.partition import Interval, Segment
 from .sampling.runs import reader_runs, reader_segments
 
-__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "min_budget_message"]
+__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "View", "min_budget_message"]
 
 _KEEP_PLANS = 4
+
+
+class View(Protocol):
+    """Positions read through another order (a mix of datasets): what each reader's
+    segments of that order are in this dataset's own order."""
+
+    @property
+    def total(self) -> int:
+        """Positions of the outer order in an epoch."""
+        ...
+
+    @property
+    def way(self) -> str:
+        """Names the outer order (part of the board's key)."""
+        ...
+
+    def project(self, epoch: int) -> Callable[[list[Segment]], list[Segment]]:
+        """Maps a reader's segments of the outer order to segments of this dataset's."""
+        ...
 
 
 class EpochSpec:
@@ -53,8 +73,14 @@ class EpochSpec:
         worker: int,
         batch_size: int,
         drop_last: bool,
+        subsample: float | None = None,
+        epoch_size: int | None = None,
+        units: Units | None = None,
+        view: View | None = None,
     ) -> None:
         self.epoch, self.seed, self.shuffle, self.window = epoch, seed, shuffle, window
+        self.order = OrderSpec(seed, shuffle, window, subsample, epoch_size)
+        self.units, self.view = units, view
         self.remaining = [(int(a), int(b)) for a, b in remaining]
         self.received = received
         self.world, self.rank, self.num_workers, self.worker = world, rank, num_workers, worker
@@ -70,7 +96,9 @@ class EpochSpec:
 
     def key(self, checksum: str) -> str:
         """The board of this way of reading the dataset (any epoch)."""
-        way = (self.seed, self.shuffle, self.window, self.world, self.num_workers)
+        way = (*self.order.identity(), self.world, self.num_workers)
+        if self.view is not None:
+            way += (self.view.way,)
         raw = repr((checksum, *way, self.batch_size, self.drop_last))
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -89,7 +117,18 @@ class PlanCache:
         self.index = index
         self.spec = spec
         self._plans: collections.OrderedDict[tuple[int, int], EpochPlan] = collections.OrderedDict()
-        self._variant = spec.variant(index.total_items)
+        self._variant = spec.variant(self.total)
+
+    @property
+    def total(self) -> int:
+        """Positions of an epoch as the readers count them."""
+        if self.spec.view is not None:
+            return self.spec.view.total
+        return self._order(0).total
+
+    def _order(self, epoch: int) -> ReadOrder:
+        units = self.spec.units or ItemUnits(self.index)
+        return ReadOrder(units, self.spec.order, epoch)
 
     def same_way(self, spec: EpochSpec) -> bool:
         return spec.key(self.index.checksum) == self.spec.key(self.index.checksum)
@@ -97,7 +136,7 @@ class PlanCache:
     def follow(self, spec: EpochSpec) -> None:
         """Make ``spec`` (same way of reading, another epoch) the resumed variant known."""
         self.spec = spec
-        self._variant = spec.variant(self.index.total_items)
+        self._variant = spec.variant(self.total)
 
     def __call__(self, epoch: int, variant: int) -> EpochPlan | None:
         key = (epoch, variant)
@@ -106,7 +145,7 @@ class PlanCache:
             self._plans.move_to_end(key)
             return plan
         if variant == 0:
-            total = self.index.total_items
+            total = self.total
             remaining, received = ([(0, total)] if total else []), 0
         elif variant == self._variant and epoch == self.spec.epoch:
             remaining, received = self.spec.remaining, self.spec.received
@@ -120,16 +159,8 @@ class PlanCache:
 
     def _build(self, epoch: int, remaining: Sequence[Interval], received: int) -> EpochPlan:
         s, index = self.spec, self.index
-        order = EpochOrder(
-            [c.items for c in index.chunks],
-            index.chunk_keys,
-            seed=s.seed,
-            epoch=epoch,
-            shuffle=s.shuffle,
-            window=s.window,
-        )
-        most = max((c.items for c in index.chunks), default=1)
-        gap = s.window * most if s.shuffle else 1
+        order = self._order(epoch)
+        project = s.view.project(epoch) if s.view is not None else None
         streams = []
         for segs in reader_segments(
             remaining,
@@ -139,7 +170,9 @@ class PlanCache:
             drop_last=s.drop_last,
             received=received,
         ):
-            runs = reader_runs(segs, order.keys, lambda k: index.locate_many(k)[0], gap=gap)
+            if project is not None:
+                segs = project(segs)
+            runs = reader_runs(segs, order.keys, order.chunks_of, gap=order.gap)
             streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
         return EpochPlan(streams, [c.bytes for c in index.chunks])
 
@@ -156,7 +189,7 @@ class ReadPlan:
         self.index = index
         self.spec = spec
         self.me = spec.me
-        self.variant = spec.variant(index.total_items)
+        self.variant = spec.variant(plans.total)
         self.board = Board(board_path(root, spec.key(index.checksum)), spec.readers)
         self.policy = PlanPolicy(
             [c.filename for c in index.chunks],

@@ -15,7 +15,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..reader import Reader
-from ..sampling import EpochOrder, Plan, Segment, consumed_to_remaining, plan
+from ..sampling import Plan, Segment, consumed_to_remaining, plan
+from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, received_per_worker
 from ..source import DatasetSource
 from . import distributed
@@ -136,6 +137,12 @@ class StreamingDataset(IterableDataset[Any]):
             DataLoader, setting it keeps every batch but the last full and the batches in
             a resumable order.
         shuffle_window: chunks mixed together when shuffling.
+        subsample: read only a seeded subset of whole chunks holding about this fraction
+            of the items (``0 < subsample <= 1``), the same subset on every rank and in
+            every epoch; only those chunks are downloaded.
+        epoch_size: samples per epoch over all ranks (None: one pass over the items, or
+            over the subsample). Fewer truncates each epoch; more wraps into a further
+            pass over the data, shuffled anew.
     """
 
     def __init__(
@@ -151,11 +158,12 @@ class StreamingDataset(IterableDataset[Any]):
         *,
         batch_size: int = 1,
         shuffle_window: int = 4,
+        subsample: float | None = None,
+        epoch_size: int | None = None,
         allow_pickle: bool = False,
         settings: Settings | None = None,
     ) -> None:
-        if shuffle_window < 1:
-            raise ConfigError(f"shuffle_window must be >= 1, got {shuffle_window}")
+        self.order_spec = _order_spec(seed, shuffle, shuffle_window, subsample, epoch_size)
         self.settings = settings or Settings.from_env(max_cache_bytes=max_cache_bytes)
         self.source = DatasetSource(
             input_dir, cache_dir=cache_dir, storage_options=storage_options, settings=self.settings
@@ -167,6 +175,9 @@ class StreamingDataset(IterableDataset[Any]):
         self.transform = transform
         self._batch_size = batch_size
         self.shuffle_window = shuffle_window
+        self.subsample, self.epoch_size = subsample, epoch_size
+        self.units: Units = ItemUnits(self.index)
+        self._check_order()
         self._num_workers: int | None = None  # set by CacheDataLoader; else from torch
         self._progress = _Progress()
         self._reader = Reader(
@@ -220,6 +231,17 @@ class StreamingDataset(IterableDataset[Any]):
     @property
     def num_items(self) -> int:
         return self.index.total_items
+
+    @property
+    def epoch_total(self) -> int:
+        """Positions of one epoch over all ranks (``epoch_size``, else the units read)."""
+        return self._order().total
+
+    def _check_order(self) -> None:
+        try:
+            ReadOrder(self.units, self.order_spec, 0)
+        except ValueError as exc:
+            raise ConfigError(f"{self.source.url}: {exc}") from exc
 
     def __len__(self) -> int:
         """Samples this rank yields in the (rest of the) current epoch."""
@@ -364,10 +386,10 @@ class StreamingDataset(IterableDataset[Any]):
     def _plan(self, world: distributed.World) -> tuple[_Progress, Plan]:
         workers = max(1, self.num_workers or world.num_workers)
         pr = self._progress.adapted(
-            world.world_size, workers, self.batch_size, self.num_items, self.drop_last
+            world.world_size, workers, self.batch_size, self.epoch_total, self.drop_last
         )
         p = plan(
-            pr.base(self.num_items),
+            pr.base(self.epoch_total),
             world=world.world_size,
             rank=world.rank,
             num_workers=workers,
@@ -376,15 +398,13 @@ class StreamingDataset(IterableDataset[Any]):
         )
         return pr, p
 
-    def _order(self) -> EpochOrder:
-        return EpochOrder(
-            [c.items for c in self.index.chunks],
-            self.index.chunk_keys,
-            seed=self.seed,
-            epoch=self._progress.epoch,
-            shuffle=self.shuffle,
-            window=self.shuffle_window,
-        )
+    def _order(self) -> ReadOrder:
+        """This epoch's order as read (the same the node's read plan is built from)."""
+        order = self.__dict__.get("_order_cache")
+        if order is None or order.epoch != self._progress.epoch:
+            order = ReadOrder(self.units, self.order_spec, self._progress.epoch)
+            self.__dict__["_order_cache"] = order
+        return order
 
     def __iter__(self) -> Iterator[Any]:
         in_worker = get_worker_info() is not None
@@ -411,21 +431,7 @@ class StreamingDataset(IterableDataset[Any]):
         skip = received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received)[logical]
         segments = _drop(p.workers[logical], skip + self._skip)
         order = self._order()
-        self.source.plan_epoch(
-            epoch=pr.epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            window=self.shuffle_window,
-            remaining=pr.base(self.num_items),
-            received=pr.received,
-            world=world.world_size,
-            rank=world.rank,
-            num_workers=nw,
-            worker=logical,
-            batch_size=pr.batch_size,
-            drop_last=self.drop_last,
-            skipped=self._skip,
-        )
+        self._plan_epoch(pr, world, logical)
         self._yielded = 0
         try:
             for seg in segments:
@@ -444,7 +450,28 @@ class StreamingDataset(IterableDataset[Any]):
             self._report_stats()
             self._reader.close()
 
-    def _hint(self, order: EpochOrder, segments: Any, seg: Any, a: int, chunks: np.ndarray) -> None:
+    def _plan_epoch(self, pr: _Progress, world: distributed.World, logical: int) -> None:
+        """Tell the source which part of the node's epoch this reader reads."""
+        self.source.plan_epoch(
+            epoch=pr.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            window=self.shuffle_window,
+            remaining=pr.base(self.epoch_total),
+            received=pr.received,
+            world=world.world_size,
+            rank=world.rank,
+            num_workers=pr.num_workers,
+            worker=logical,
+            batch_size=pr.batch_size,
+            drop_last=self.drop_last,
+            skipped=self._skip,
+            subsample=self.subsample,
+            epoch_size=self.epoch_size,
+            units=self.units,
+        )
+
+    def _hint(self, order: ReadOrder, segments: Any, seg: Any, a: int, chunks: np.ndarray) -> None:
         """Tell the downloader which chunks this worker needs next, in order (unless the
         source follows the epoch plan, which knows that already)."""
         if not self.source.remote or self.source.planned:
@@ -457,13 +484,30 @@ class StreamingDataset(IterableDataset[Any]):
             pos = lo
             while pos < hi and len(seen) < want:
                 nxt = order.keys(pos, min(hi, pos + _LOOKAHEAD))
-                seen.update(dict.fromkeys(self.index.locate_many(nxt)[0].tolist()))
+                seen.update(dict.fromkeys(order.chunks_of(nxt).tolist()))
                 pos += _LOOKAHEAD
             if len(seen) >= want:
                 break
         self.source.hint(list(seen)[:want])
 
     # -- resume --------------------------------------------------------------------
+    @property
+    def _name(self) -> str:
+        return self.source.url
+
+    def _identity(self) -> dict[str, Any]:
+        """What a resume state must match: the dataset and everything that makes its
+        order (a state from another order can't be continued)."""
+        return {
+            "dataset": self.index.checksum,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "subsample": self.subsample,
+            "epoch_size": self.epoch_size,
+            "drop_last": self.drop_last,
+        }
+
     def state_dict(
         self,
         received: int | None = None,
@@ -500,18 +544,14 @@ class StreamingDataset(IterableDataset[Any]):
             world.world_size,
             max(1, num_workers or world.num_workers),
             batch_size or self.batch_size,
-            self.num_items,
+            self.epoch_total,
             self.drop_last,
         )
         return {
             "version": STATE_VERSION,
-            "dataset": self.index.checksum,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_window": self.shuffle_window,
-            "drop_last": self.drop_last,
+            **self._identity(),
             "epoch": pr.epoch,
-            "remaining": [list(r) for r in pr.base(self.num_items)],
+            "remaining": [list(r) for r in pr.base(self.epoch_total)],
             "world": pr.world,
             "num_workers": pr.num_workers,
             "batch_size": pr.batch_size,
@@ -526,11 +566,7 @@ class StreamingDataset(IterableDataset[Any]):
         pr = self._progress
         return {
             "version": STATE_VERSION,
-            "dataset": self.index.checksum,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_window": self.shuffle_window,
-            "drop_last": self.drop_last,
+            **self._identity(),
             "epoch": pr.epoch,
             "remaining": None if pr.remaining is None else [list(r) for r in pr.remaining],
             "world": pr.world,
@@ -553,17 +589,11 @@ class StreamingDataset(IterableDataset[Any]):
             ResumeStateError: the state belongs to another dataset, seed or shuffle setting.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ResumeStateError("not a StreamingDataset state")
-        for key, mine in (
-            ("dataset", self.index.checksum),
-            ("seed", self.seed),
-            ("shuffle", self.shuffle),
-            ("shuffle_window", self.shuffle_window),
-            ("drop_last", self.drop_last),
-        ):
+            raise ResumeStateError(f"not a {type(self).__name__} state")
+        for key, mine in self._identity().items():
             if state.get(key) != mine:
                 raise ResumeStateError(
-                    f"{self.source.url}: the state was saved with {key}={state.get(key)!r}, "
+                    f"{self._name}: the state was saved with {key}={state.get(key)!r}, "
                     f"this dataset has {key}={mine!r}; it can't continue that epoch"
                 )
         if "worker" in state:
@@ -578,7 +608,7 @@ class StreamingDataset(IterableDataset[Any]):
             received=int(state["received"]),
         )
         rest = consumed_to_remaining(
-            pr.base(self.num_items),
+            pr.base(self.epoch_total),
             world=pr.world,
             num_workers=pr.num_workers,
             batch_size=pr.batch_size,
@@ -614,6 +644,11 @@ class StreamingDataset(IterableDataset[Any]):
         self._pending = (pr, int(state["yielded"]))
 
     # -- lifetime ------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_order_cache", None)  # rebuilt where it is used
+        return state
+
     def close(self) -> None:
         """Drop this process's mappings, pins, downloads and HTTP session. Idempotent.
 
@@ -633,3 +668,12 @@ class StreamingDataset(IterableDataset[Any]):
             f"StreamingDataset({self.source.url!r}, items={self.num_items}, "
             f"shuffle={self.shuffle}, epoch={self.epoch})"
         )
+
+
+def _order_spec(
+    seed: int, shuffle: bool, window: int, subsample: float | None, epoch_size: int | None
+) -> OrderSpec:
+    try:
+        return OrderSpec(seed, shuffle, window, subsample, epoch_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
