@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..format import INDEX_NAME, Index, merge
 from ..format.items import compressor
+from ..format.tokens import token_dtype
 from ..storage import Storage
 from ..writer import MERGE_STALL_S
 from . import job as jobs
@@ -156,6 +157,7 @@ def start_job(
     on_error: str = "raise",
     storage_options: dict[str, Any] | None = None,
     settings: Settings | None = None,
+    tokens: str | None = None,
 ) -> JobRun:
     """Claim ``output_dir`` and plan (or resume) a job of ``num_shards`` shards.
 
@@ -169,6 +171,7 @@ def start_job(
         ConfigError: a bad argument.
     """
     size = _check_args(chunk_bytes, compression, mode, on_error)
+    tokens = _check_tokens(tokens, compression)
     if num_shards <= 0:
         raise ConfigError(f"num_shards must be > 0, got {num_shards}")
     settings = settings if settings is not None else Settings.from_env()
@@ -189,7 +192,7 @@ def start_job(
             url=output_dir,
             num_inputs=n,
             num_shards=num_shards,
-            fp=jobs.fingerprint(inputs, fn, size, compression, mode),
+            fp=jobs.fingerprint(inputs, fn, size, compression, mode, tokens),
             chunk_bytes=size,
             compression=compression,
             mode=mode,
@@ -197,6 +200,7 @@ def start_job(
             storage_options=storage_options,
             settings=settings,
             aws_env=aws_env,
+            tokens=tokens,
         )
     except BaseException:
         lease.release()
@@ -353,6 +357,8 @@ def _merged(job: Job, base: Index | None, parts: list[Index]) -> Index:
         "skipped_inputs": skipped + int(base.config.get("skipped_inputs", 0) if base else 0),
         "skipped_errors": errors[:20],
     }
+    if job.tokens is not None:
+        config["token_dtype"] = job.tokens
     try:
         return merge(shifted, config)
     except BadIndexError as exc:
@@ -389,6 +395,15 @@ def _check_args(chunk_bytes: int | str, compression: str | None, mode: str, on_e
     if compression is not None:
         compressor(compression)  # fails now, naming the codec
     return size
+
+
+def _check_tokens(tokens: str | None, compression: str | None) -> str | None:
+    """The token dtype's name (``"uint16"``), or None for a dataset of items."""
+    if tokens is None:
+        return None
+    if compression is not None:
+        raise ConfigError("tokens= and compression= can't be combined (tokens are mapped)")
+    return token_dtype(tokens).name
 
 
 _worker_queue: Any = None
@@ -542,6 +557,7 @@ def optimize(
     num_shards: int | None = None,
     staging_dir: str | None = None,
     settings: Settings | None = None,
+    tokens: str | None = None,
 ) -> OptimizeResult:
     """Convert ``fn(x) for x in inputs`` into a dataset at ``output_dir``; ``index.json`` last.
 
@@ -564,6 +580,9 @@ def optimize(
             at least one per 100k inputs).
         staging_dir: where closed chunks wait for upload (default: the temp directory).
         settings: tuning; default ``Settings.from_env()``; ``progress=False`` hides the bar.
+        tokens: write a token dataset (docs/tokens.md): every item ``fn`` gives is a
+            document, a 1-D integer array stored as raw tokens of this dtype
+            (``"uint16"``, ``"int32"``, ...); read it with ``TokenBlocks``.
 
     Under ``torchrun`` (an initialised process group), every rank calls it with the same
     arguments; rank 0 commits, and every rank returns once ``index.json`` is written.
@@ -603,7 +622,7 @@ def optimize(
             run = start_job(
                 output_dir, inputs, fn, num_shards=num_shards, chunk_bytes=size,
                 compression=compression, mode=mode, on_error=on_error,
-                storage_options=storage_options, settings=settings,
+                storage_options=storage_options, settings=settings, tokens=tokens,
             )  # fmt: skip
             shipped = dataclasses.replace(run.job, settings=Settings(), aws_env={})
             shipped = (shipped, run.committed)

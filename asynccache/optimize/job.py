@@ -239,7 +239,12 @@ async def delete_many(storage: Storage, keys: Sequence[str]) -> None:
 
 
 def fingerprint(
-    inputs: Sequence[Any], fn: Any, chunk_bytes: int, compression: str | None, mode: str
+    inputs: Sequence[Any],
+    fn: Any,
+    chunk_bytes: int,
+    compression: str | None,
+    mode: str,
+    tokens: str | None = None,
 ) -> str:
     """A checksum of what defines the job: same arguments, same fingerprint.
 
@@ -248,7 +253,10 @@ def fingerprint(
     """
     h = xxhash.xxh3_64()
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-    h.update(json.dumps([len(inputs), name, chunk_bytes, compression, mode]).encode())
+    args: list[Any] = [len(inputs), name, chunk_bytes, compression, mode]
+    if tokens is not None:  # (jobs of items keep the fingerprint they always had)
+        args.append(tokens)
+    h.update(json.dumps(args).encode())
     for x in inputs:
         h.update(repr(x).encode())
         h.update(b"\0")
@@ -280,6 +288,8 @@ class Job:
     aws_env: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     #: Shards finished by an earlier, interrupted run of this job (skipped).
     done: frozenset[int] = frozenset()
+    #: The token dtype name of a token dataset (docs/tokens.md); None: items.
+    tokens: str | None = None
 
     def bounds(self, shard: int) -> tuple[int, int]:
         """``(start, stop)``: shard ``shard`` converts ``inputs[start:stop]``."""
@@ -299,6 +309,7 @@ class Job:
             "compression": self.compression,
             "mode": self.mode,
             "base_checksum": self.base_checksum,
+            "tokens": self.tokens,
         }
 
 
@@ -548,6 +559,7 @@ def start(
     storage_options: Mapping[str, Any] | None,
     settings: Settings,
     aws_env: Mapping[str, str],
+    tokens: str | None = None,
 ) -> tuple[Job, bool]:
     """With the lease held: resume the unfinished job of these arguments, or plan a new one.
 
@@ -556,10 +568,17 @@ def start(
 
     Raises:
         DatasetExistsError: ``mode="create"`` and a dataset is already there.
+        ConfigError: ``mode="append"`` to a dataset of another kind (tokens or items, or
+            another token dtype).
     """
-    from ..errors import DatasetExistsError
+    from ..errors import ConfigError, DatasetExistsError
 
     current = call(read_index(storage))
+    if mode == "append" and current is not None and current.config.get("token_dtype") != tokens:
+        raise ConfigError(
+            f"{url}: can't append with tokens={tokens!r} to a dataset written with "
+            f"tokens={current.config.get('token_dtype')!r}"
+        )
     plan = call(get_json(storage, JOB_KEY))
     base = current.checksum if (mode == "append" and current is not None) else None
     args = dict(
@@ -574,6 +593,7 @@ def start(
         storage_options=storage_options,
         settings=settings,
         aws_env=aws_env,
+        tokens=tokens,
     )
     if plan is not None and plan.get("fingerprint") == fp and plan.get("mode") == mode:
         gen = str(plan["gen"])

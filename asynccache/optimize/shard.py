@@ -31,6 +31,7 @@ from ..config import Settings
 from ..errors import CacheError, ConfigError, InputFailedError, StorageError
 from ..format import ChunkEntry, Index, build, encode, encoded_size
 from ..format.index import format_checksum, new_hasher
+from ..format.tokens import encode_tokens, flags_for, token_dtype
 from ..storage import Storage
 from .job import (
     IO_BOUND_S,
@@ -102,16 +103,19 @@ class _Stager:
             self._dir = tempfile.mkdtemp(prefix="asynccache-staging-", dir=staging_dir)
 
     def put(
-        self, name: str, items: list[list[memoryview | bytes]]
+        self, name: str, items: list[list[memoryview | bytes]], flags: int = 0
     ) -> concurrent.futures.Future[tuple[int, str]]:
-        """Store a chunk of ``items``; the future gives its ``(size, checksum)``."""
+        """Store a chunk of ``items`` (chunk header ``flags``); the future gives its
+        ``(size, checksum)``."""
         while len(self._pending) >= self.limit:  # the staging bound
             self._pending.popleft().result(IO_BOUND_S)
-        fut = self._threads.submit(self._store, name, items)
+        fut = self._threads.submit(self._store, name, items, flags)
         self._pending.append(fut)
         return fut
 
-    def _store(self, name: str, items: list[list[memoryview | bytes]]) -> tuple[int, str]:
+    def _store(
+        self, name: str, items: list[list[memoryview | bytes]], flags: int = 0
+    ) -> tuple[int, str]:
         hasher = new_hasher()
         if self.local_root:
             # In place, straight from the items' buffers. Not fsynced here: the kernel
@@ -124,11 +128,11 @@ class _Stager:
                 os.makedirs(directory, exist_ok=True)
                 self._made.add(directory)
             durable = self.settings.durable
-            size = write_file(path, build(items), hasher=hasher, writeback=durable)
+            size = write_file(path, build(items, flags), hasher=hasher, writeback=durable)
             return size, format_checksum(hasher)
         assert self._dir is not None
         path = os.path.join(self._dir, name)
-        size = write_file(path, build(items), hasher=hasher)
+        size = write_file(path, build(items, flags), hasher=hasher)
         try:
             call(upload_retried(self.storage, path, name, self.settings), IO_BOUND_S)
         finally:
@@ -276,9 +280,15 @@ class _Shard:
     ) -> None:
         self.job, self.fn, self.shard, self.inputs = job, fn, shard, inputs
         self.stager, self.report, self.progress = stager, report, progress
-        self.entries: list[tuple[str, int, int, concurrent.futures.Future[tuple[int, str]]]] = []
+        self.entries: list[
+            tuple[str, int, int, int | None, concurrent.futures.Future[tuple[int, str]]]
+        ] = []
         self.buf: list[list[memoryview | bytes]] = []
         self.buf_bytes = 0
+        # A token dataset: each item is a document stored as raw tokens (docs/tokens.md).
+        self.dtype = None if job.tokens is None else token_dtype(job.tokens)
+        self.flags = 0 if self.dtype is None else flags_for(self.dtype)
+        self.buf_tokens = 0
         self.items = 0
         self.skipped = 0
         self.errors: list[str] = []
@@ -289,9 +299,11 @@ class _Shard:
             return
         name = chunk_name(self.job.gen, self.shard, len(self.entries))
         first = self.items - len(self.buf)
-        self.entries.append((name, len(self.buf), first, self.stager.put(name, self.buf)))
+        tokens = None if self.dtype is None else self.buf_tokens // self.dtype.itemsize
+        fut = self.stager.put(name, self.buf, self.flags)
+        self.entries.append((name, len(self.buf), first, tokens, fut))
         self.report[2] += self.buf_bytes
-        self.buf, self.buf_bytes = [], 0
+        self.buf, self.buf_bytes, self.buf_tokens = [], 0, 0
 
     def _add(self, pieces: list[memoryview | bytes]) -> None:
         size = encoded_size(pieces) + 8
@@ -299,6 +311,7 @@ class _Shard:
             self._flush()
         self.buf.append(pieces)
         self.buf_bytes += size
+        self.buf_tokens += size - 8
         self.items += 1
 
     def produce(self, finishing: list[concurrent.futures.Future[ShardResult]]) -> None:
@@ -317,7 +330,10 @@ class _Shard:
             encoded: list[list[memoryview | bytes]] = []
             try:
                 for o in _outputs(fn, x):
-                    pieces = encode(o, compression=compression)
+                    if self.dtype is not None:
+                        pieces = encode_tokens(o, self.dtype)
+                    else:
+                        pieces = encode(o, compression=compression)
                     if skip:  # all of an input's items, or none of them
                         encoded.append(pieces)
                     else:
@@ -356,9 +372,9 @@ class _Shard:
             return self.result
         job = self.job
         chunks = []
-        for name, count, first, fut in self.entries:
+        for name, count, first, tokens, fut in self.entries:
             size, checksum = fut.result(IO_BOUND_S)
-            chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),)))
+            chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),), tokens))
         self.stager.sync([name for name, *_ in self.entries])
         config = {
             "chunk_bytes": job.chunk_bytes,
@@ -368,6 +384,8 @@ class _Shard:
             "skipped": self.skipped,
             "errors": self.errors,
         }
+        if job.tokens is not None:
+            config["token_dtype"] = job.tokens
         idx = Index(tuple(chunks), config, self.shard, job.gen)
         call(
             put_bytes(
