@@ -5,9 +5,16 @@ and forwards every request unchanged (method, path, query, body and headers, ``H
 ``Authorization``, ``Range`` and ``x-amz-*`` included, so SigV4 signatures still verify),
 except when a programmed :class:`Fault` matches: then it answers with a 5xx or 429, resets
 the connection mid-body, truncates the body below its ``Content-Length``, stalls, or flips
-bytes, or trickles the body at a set rate. Every request is logged (method, path, Range)
-so tests can count GETs, and every fault is counted when it actually takes effect
-(:meth:`FaultProxy.fired`), so a test can tell a recovered fault from one that never fired.
+bytes, or trickles the body at a set rate. Every request is logged (method, path, Range,
+arrival time) so tests can count GETs, and every fault is counted when it actually takes
+effect (:meth:`FaultProxy.fired`), so a test can tell a recovered fault from one that never
+fired.
+
+Besides faults, the proxy can behave like a cloud link rather than loopback (see
+:meth:`FaultProxy.set_link`): every request waits ``latency_s`` before it is forwarded
+(time to first byte), and every response body is paced to at most ``conn_bytes_per_s``
+(an HTTP/1.1 connection carries one response at a time, so this caps each connection).
+:meth:`FaultProxy.link_fired` counts the requests each knob actually slowed down.
 """
 
 from __future__ import annotations
@@ -17,15 +24,19 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import aiohttp
 from aiohttp import web
 
+from ..errors import ConfigError
+
 __all__ = ["Fault", "FaultProxy", "RequestRecord", "ServerThread"]
 
 FaultKind = Literal["status", "reset", "truncate", "stall", "slow", "flip", "trickle"]
+LinkKnob = Literal["latency", "cap"]
 
 _HOP_BY_HOP = {
     "connection",
@@ -78,12 +89,13 @@ class Fault:
 
 @dataclasses.dataclass(frozen=True)
 class RequestRecord:
-    """One request the proxy received."""
+    """One request the proxy received (``at``: its arrival, ``time.monotonic()``)."""
 
     method: str
     path: str
     range: str | None
     fault: FaultKind | None
+    at: float = 0.0
 
 
 class ServerThread:
@@ -164,16 +176,25 @@ class FaultProxy:
             assert proxy.count("GET", "chunk-0.bin") == 1
 
     Invariants: faults are consumed in the order added, one per matching request; the
-    request log and fault list are guarded by a lock (read them from any thread); stalls
-    end when the proxy closes, so closing never waits on a stalled response.
+    request log and fault list are guarded by a lock (read them from any thread); stalls,
+    latencies and paced bodies end when the proxy closes, so closing never waits on them.
+
+    Args:
+        upstream: the origin's base URL.
+        latency_s: the link's time to first byte (see :meth:`set_link`).
+        conn_bytes_per_s: the link's per-connection bandwidth cap; 0 means none.
     """
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, conn_bytes_per_s: int = 0) -> None:
         self.upstream = upstream.rstrip("/")
         self._mu = threading.Lock()
         self._faults: list[Fault] = []
         self._log: list[RequestRecord] = []
         self._fired: collections.Counter[FaultKind] = collections.Counter()
+        self._link_fired: collections.Counter[LinkKnob] = collections.Counter()
+        self.latency_s = 0.0
+        self.conn_bytes_per_s = 0
+        self.set_link(latency_s=latency_s, conn_bytes_per_s=conn_bytes_per_s)
         self._session: aiohttp.ClientSession | None = None
         self._closing: asyncio.Event | None = None
         self._server = ServerThread(self._make_app, name="asynccache-faultproxy")
@@ -207,6 +228,35 @@ class FaultProxy:
     def clear_faults(self) -> None:
         with self._mu:
             self._faults.clear()
+
+    def set_link(
+        self, *, latency_s: float | None = None, conn_bytes_per_s: int | None = None
+    ) -> None:
+        """Make the proxy behave like a slower link, for requests that arrive from now on.
+
+        Args:
+            latency_s: every request waits this long before it is forwarded: the time to
+                first byte grows by it (cloud object stores: tens of milliseconds).
+            conn_bytes_per_s: every response body is sent at no more than this rate, per
+                response and so per connection (cloud: tens of MB/s per connection); 0
+                lifts the cap. None leaves a knob as it is.
+        """
+        if latency_s is not None:
+            if latency_s < 0:
+                raise ConfigError(f"FaultProxy latency_s must be >= 0, got {latency_s}")
+            self.latency_s = float(latency_s)
+        if conn_bytes_per_s is not None:
+            if conn_bytes_per_s < 0:
+                raise ConfigError(
+                    f"FaultProxy conn_bytes_per_s must be >= 0, got {conn_bytes_per_s}"
+                )
+            self.conn_bytes_per_s = int(conn_bytes_per_s)
+
+    def link_fired(self, knob: LinkKnob) -> int:
+        """How many requests ``knob`` actually slowed: delayed by the latency, or made to
+        wait for the bandwidth cap at least once."""
+        with self._mu:
+            return self._link_fired[knob]
 
     @property
     def requests(self) -> list[RequestRecord]:
@@ -265,8 +315,15 @@ class FaultProxy:
                     request.path,
                     request.headers.get("Range") or request.headers.get("x-ms-range"),
                     fault.kind if fault else None,
+                    time.monotonic(),
                 )
             )
+        latency, cap = self.latency_s, self.conn_bytes_per_s
+        if latency > 0:
+            with self._mu:
+                self._link_fired["latency"] += 1
+            if await self._pause(latency):
+                raise asyncio.CancelledError  # closing
         if fault is not None and fault.kind == "status":
             self._fire("status")
             headers = {}
@@ -291,7 +348,32 @@ class FaultProxy:
             await resp.prepare(request)
             if request.method == "HEAD":
                 return resp
-            return await self._relay(request, resp, upstream, fault)
+            return await self._relay(request, resp, upstream, fault, _Pace(cap))
+
+    async def _pause(self, delay: float) -> bool:
+        """Sleep ``delay`` seconds, or less if the proxy closes; True when it closes."""
+        assert self._closing is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), delay)
+        return self._closing.is_set()
+
+    async def _send(self, resp: web.StreamResponse, piece: bytes, pace: _Pace) -> None:
+        """Write ``piece``, at no more than the cap when there is one."""
+        if not pace.rate:
+            await resp.write(piece)
+            return
+        step = max(1, pace.rate // 20)  # at most 50 ms worth of bytes per write
+        for i in range(0, len(piece), step):
+            part = piece[i : i + step]
+            delay = pace.due(len(part))  # a link at this rate delivers it no sooner
+            if delay > 0:
+                if not pace.waited:
+                    pace.waited = True
+                    with self._mu:
+                        self._link_fired["cap"] += 1
+                if await self._pause(delay):
+                    raise asyncio.CancelledError  # closing: stop feeding the client
+            await resp.write(part)
 
     async def _relay(
         self,
@@ -299,9 +381,12 @@ class FaultProxy:
         resp: web.StreamResponse,
         upstream: aiohttp.ClientResponse,
         fault: Fault | None,
+        pace: _Pace,
     ) -> web.StreamResponse:
         sent = 0
-        async for piece in upstream.content.iter_chunked(_PIECE):
+        body = upstream.content
+        pieces = body.iter_chunked(_PIECE) if fault is not None else body.iter_any()
+        async for piece in pieces:
             if (
                 fault is not None
                 and fault.kind == "flip"
@@ -326,7 +411,7 @@ class FaultProxy:
                         await resp.write(piece[:room])
                         sent += room
                     return await self._misbehave(request, resp, fault)
-            await resp.write(piece)
+            await self._send(resp, piece, pace)
             sent += len(piece)
         await resp.write_eof()
         return resp
@@ -367,6 +452,24 @@ class FaultProxy:
             else:
                 transport.abort()  # a reset (and the end of a stall)
         raise asyncio.CancelledError  # the response cannot be finished: drop the handler
+
+
+class _Pace:
+    """The pacing of one response body at ``rate`` bytes/s (0: none): byte ``k`` leaves no
+    sooner than ``k / rate`` seconds after the body started, as over a link of that rate."""
+
+    __slots__ = ("rate", "sent", "start", "waited")
+
+    def __init__(self, rate: int) -> None:
+        self.rate, self.sent, self.start, self.waited = rate, 0, 0.0, False
+
+    def due(self, nbytes: int) -> float:
+        """Count ``nbytes`` as sent; the seconds to wait before sending more."""
+        now = time.monotonic()
+        if not self.sent:
+            self.start = now
+        self.sent += nbytes
+        return self.start + self.sent / self.rate - now
 
 
 async def _flushed(transport: asyncio.BaseTransport, timeout: float = 2.0) -> None:
