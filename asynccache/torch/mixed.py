@@ -1,0 +1,470 @@
+"""``MixedDataset``: several :class:`StreamingDataset` streams read as one weighted mix.
+
+The mixed epoch is a sequence of slots dealt to the streams (:mod:`asynccache.sampling.mix`);
+the ``k``-th sample of a stream in the epoch reads position ``k`` of that stream's own
+epoch order (its shuffle, ``subsample`` and window), wrapped to the count the mix takes
+from it. Everything about positions (the rank x worker split, padding, ``drop_last``,
+shared epoch counters, exact and elastic resume) is :class:`StreamingDataset`'s, applied to
+the slots of the mix; each stream's :class:`~asynccache.source.DatasetSource` plans its own
+reads from the part of its order that every reader of the node takes
+(:class:`~asynccache.readplan.View`), so each chunk is downloaded once per node and
+evicted by the node's plan. All streams share the cache directory's budget and the
+process's I/O thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import get_worker_info
+
+from ..errors import ConfigError, ResumeStateError
+from ..readplan import View
+from ..sampling import Segment
+from ..sampling.mix import MODES, MixOrder, Share, stream_counts
+from ..sampling.order import ReadOrder
+from ..sampling.partition import received_per_worker
+from . import distributed
+from .streaming import (
+    _STAT_FIELDS,
+    _STAT_ROWS,
+    _STATS_AT,
+    StreamingDataset,
+    _drop,
+    _Progress,
+    _shared_bytes,
+)
+
+__all__ = ["MixedDataset", "Stream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One dataset of a mix and how much of it an epoch takes: one of ``weight`` (share
+    of the weighted samples; the default, 1), ``repeat`` (passes over it per epoch) or
+    ``choose`` (samples per epoch)."""
+
+    dataset: StreamingDataset
+    weight: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+    @property
+    def share(self) -> Share:
+        return Share(self.weight, self.repeat, self.choose)
+
+
+class _Epoch:
+    """The mixed epoch as the position machinery sees it: ``total`` slots."""
+
+    def __init__(self, mix: MixOrder, epoch: int) -> None:
+        self.mix, self.epoch, self.total = mix, epoch, mix.slots
+
+    def keys(self, start: int, end: int) -> np.ndarray:
+        return np.arange(start, end, dtype=np.int64)
+
+    def chunks_of(self, keys: np.ndarray) -> np.ndarray:
+        return np.empty(0, dtype=np.int64)
+
+
+class _Stats:
+    def __init__(self, values: dict[str, float]) -> None:
+        self.__dict__.update(values)
+
+
+class _Sources:
+    """The streams' sources, as one for what :class:`StreamingDataset` asks of its source."""
+
+    def __init__(self, streams: Sequence[StreamingDataset]) -> None:
+        self.streams = list(streams)
+        self.url = "mix(" + ", ".join(s.source.url for s in self.streams) + ")"
+        self.remote = any(s.source.remote for s in self.streams)
+        self.cache_dir = self.streams[0].source.cache_dir
+
+    @property
+    def planned(self) -> bool:
+        return all(s.source.planned for s in self.streams if s.source.remote)
+
+    @property
+    def stats(self) -> _Stats:
+        out = dict.fromkeys(_STAT_FIELDS, 0.0)
+        for s in self.streams:
+            st = s.source.stats
+            for f in _STAT_FIELDS:
+                out[f] += float(getattr(st, f))
+        return _Stats(out)
+
+    def hint(self, chunks: Any) -> None:
+        """Each stream's source follows its own plan."""
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.source.close()
+
+
+class _Readers:
+    def __init__(self, streams: Sequence[StreamingDataset]) -> None:
+        self.streams = list(streams)
+
+    def close(self) -> None:
+        for s in self.streams:
+            s._reader.close()
+
+
+class _MixView:
+    """Stream ``s``'s part of a mixed epoch, for its source's read plan."""
+
+    def __init__(self, owner: MixedDataset, s: int) -> None:
+        self.owner, self.s = owner, s
+
+    @property
+    def total(self) -> int:
+        return self.owner.epoch_total
+
+    @property
+    def way(self) -> str:
+        return json.dumps(self.owner._identity(), sort_keys=True)
+
+    def project(self, epoch: int) -> Any:
+        mix = self.owner._mix(epoch)
+
+        def project(segs: list[Segment]) -> list[Segment]:
+            out: list[Segment] = []
+            for seg in segs:
+                for a, b in mix.project([(seg.start, seg.end)])[self.s]:
+                    out.append(Segment(a, b, seg.pad))
+            return out
+
+        return project
+
+
+class MixedDataset(StreamingDataset):
+    """Samples of several :class:`StreamingDataset` streams, mixed by weight.
+
+    Iterate it like a :class:`StreamingDataset` (directly, through a DataLoader, or
+    through :class:`CacheDataLoader`, whose ``state_dict`` / ``load_state_dict`` resume it
+    exactly, also with another worker count or world size). The mix of epoch ``e`` is a
+    pure function of (``seed``, ``e``, the streams' sizes and shares): the same on every
+    rank. Each stream keeps its own chunk-aware order (its ``shuffle``, ``seed``,
+    ``shuffle_window``, ``subsample``), so a mix downloads each chunk no more often than
+    reading the streams alone would.
+
+    Args:
+        streams: :class:`Stream` entries, or datasets (weight 1 each).
+        mode: ``"random"`` (samples interleaved by weight), ``"per_stream"`` (every batch
+            from one stream) or ``"stratified"`` (every batch holds the same per-stream
+            counts, the batch size apportioned by the streams' shares).
+        batch_size: the consumer's batch size; required for ``per_stream`` and
+            ``stratified``, whose batches it shapes (a DataLoader over the mix must use
+            the same one).
+        seed: the seed of the mix (each stream's own order keeps its own seed).
+        epoch_size: samples per mixed epoch over all ranks; the weighted streams share
+            what the ``repeat``/``choose`` streams leave. Default: the weighted streams'
+            own epoch lengths, summed.
+        drop_last: as :class:`StreamingDataset` (per slot: a sample, or a batch).
+        tag: yield ``(stream number, sample)`` pairs instead of samples.
+
+    Raises:
+        ConfigError: an unknown mode, a missing ``batch_size``, bad shares.
+    """
+
+    def __init__(
+        self,
+        streams: Sequence[Stream | StreamingDataset],
+        *,
+        mode: str = "random",
+        batch_size: int | None = None,
+        seed: int = 0,
+        epoch_size: int | None = None,
+        drop_last: bool | None = None,
+        tag: bool = False,
+    ) -> None:
+        entries = [s if isinstance(s, Stream) else Stream(s) for s in streams]
+        if not entries:
+            raise ConfigError("a MixedDataset needs at least one stream")
+        for i, e in enumerate(entries):
+            if not isinstance(e.dataset, StreamingDataset) or isinstance(e.dataset, MixedDataset):
+                raise ConfigError(f"stream {i} of the mix is not a StreamingDataset")
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode != "random" and (batch_size is None or batch_size < 1):
+            raise ConfigError(f"mode={mode!r} needs batch_size= (the batches it shapes)")
+        try:
+            self.shares = [e.share for e in entries]
+        except ValueError as exc:
+            raise ConfigError(f"mix: {exc}") from exc
+        self.streams = [e.dataset for e in entries]
+        self.mode, self.seed, self.tag = mode, seed, tag
+        self.epoch_size = epoch_size
+        self.mix_batch = batch_size or 1
+        self.unit = 1 if mode == "random" else self.mix_batch  # samples per slot
+        lengths = [s.epoch_total for s in self.streams]
+        try:
+            self.counts = stream_counts(lengths, self.shares, epoch_size)
+            self._mix(0)
+        except ValueError as exc:
+            raise ConfigError(f"mix: {exc}") from exc
+        for i, (s, n) in enumerate(zip(self.streams, self._mix(0).counts, strict=True)):
+            if n and not len(s.units.units_per_chunk):
+                raise ConfigError(f"stream {i} ({s.source.url}) is empty but the mix takes {n}")
+        # What StreamingDataset's position machinery uses.
+        self.settings = self.streams[0].settings
+        self.source = _Sources(self.streams)  # type: ignore[assignment]
+        self._reader = _Readers(self.streams)  # type: ignore[assignment]
+        self.shuffle = any(s.shuffle for s in self.streams)
+        self.shuffle_window = 1
+        self.subsample = None
+        self.drop_last = bool(drop_last)
+        self.transform = None
+        self.item_loader = None
+        self._batch_size = self.mix_batch
+        self._num_workers: int | None = None
+        self._progress = _Progress()
+        self._yielded = 0
+        self._rank_world = distributed.rank_and_world()
+        self._shared = _shared_bytes(_STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8)
+        self._owner = os.getpid()
+        self._expect = 0
+        self._pending: tuple[_Progress, int] | None = None
+        self._skip = 0
+        self._stats_pid = -1
+        self._stats_base = np.zeros(len(_STAT_FIELDS))
+        self._publish()
+
+    # -- the mix -----------------------------------------------------------------------
+    def _mix(self, epoch: int) -> MixOrder:
+        cached = self.__dict__.get("_mix_cache")
+        if cached is None or cached.epoch != epoch:
+            cached = MixOrder(
+                self.counts, mode=self.mode, batch_size=self.mix_batch, seed=self.seed, epoch=epoch
+            )
+            self.__dict__["_mix_cache"] = cached
+        return cached
+
+    def _order(self) -> _Epoch:  # type: ignore[override]
+        order = self.__dict__.get("_order_cache")
+        if order is None or order.epoch != self._progress.epoch:
+            order = _Epoch(self._mix(self._progress.epoch), self._progress.epoch)
+            self.__dict__["_order_cache"] = order
+        return order
+
+    def _stream_order(self, s: int, epoch: int) -> ReadOrder:
+        key = ("_stream_orders", epoch)
+        orders = self.__dict__.get("_stream_orders")
+        if orders is None or orders[0] != key:
+            mix = self._mix(epoch)
+            orders = (
+                key,
+                [
+                    ReadOrder(st.units, dataclasses.replace(st.order_spec, epoch_size=n), epoch)
+                    for st, n in zip(self.streams, mix.counts, strict=True)
+                ],
+            )
+            self.__dict__["_stream_orders"] = orders
+        return orders[1][s]
+
+    @property
+    def epoch_total(self) -> int:
+        """Slots of one mixed epoch over all ranks (samples; batches in ``per_stream``
+        and ``stratified`` modes)."""
+        return self._mix(0).slots
+
+    @property
+    def num_items(self) -> int:
+        """Samples of one mixed epoch over all ranks."""
+        return self._mix(0).total
+
+    @property
+    def stream_counts(self) -> list[int]:
+        """Samples each stream gives one mixed epoch."""
+        return list(self._mix(0).counts)
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size of the position machinery: slots per batch (1 when a slot is a
+        batch)."""
+        return self._batch_size if self.unit == 1 else 1
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if self.unit > 1 and value not in (1, self.mix_batch):
+            raise ConfigError(
+                f"this {self.mode} mix shapes batches of {self.mix_batch} samples; a loader "
+                f"with batch_size={value} would cut across them"
+            )
+        if self.unit == 1:
+            self._batch_size = value
+        if "_shared" in self.__dict__:
+            self._publish()
+
+    def __len__(self) -> int:
+        return super().__len__() * self.unit
+
+    def __getitem__(self, key: int) -> Any:
+        raise TypeError("a MixedDataset is iterated, not indexed; index its streams instead")
+
+    # -- reading -----------------------------------------------------------------------
+    def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
+        return np.empty(0, dtype=np.int64), self._read_slots(keys)
+
+    def _read_slots(self, slots: np.ndarray) -> Iterator[Any]:
+        if not len(slots):
+            return
+        epoch = self._progress.epoch
+        mix = self._mix(epoch)
+        start, end = int(slots[0]) * self.unit, (int(slots[-1]) + 1) * self.unit
+        streams, positions = mix.locate(start, end)
+        per: list[Iterator[Any]] = []
+        for s, st in enumerate(self.streams):
+            mine = positions[streams == s]
+            if not len(mine):
+                per.append(iter(()))
+                continue
+            keys = self._stream_order(s, epoch).keys(int(mine[0]), int(mine[-1]) + 1)
+            per.append(_stream_items(st, keys))
+        for s in streams.tolist():
+            item = next(per[s])
+            yield (s, item) if self.tag else item
+
+    def _hint(self, *args: Any) -> None:
+        """Each stream's source follows the node's plan for it."""
+
+    def _plan_epoch(self, pr: _Progress, world: distributed.World, logical: int) -> None:
+        if not self.source.remote:
+            return
+        mix = self._mix(pr.epoch)
+        skipped = np.zeros(len(self.streams), dtype=np.int64)
+        if self._skip:
+            p = self._plan(world)[1]
+            got = received_per_worker(p.rank_samples, pr.num_workers, pr.batch_size, pr.received)
+            segs = _drop(p.workers[logical], got[logical])
+            left = self._skip
+            for seg in segs:
+                take = min(left, len(seg))
+                for s, ranges in enumerate(mix.project([(seg.start, seg.start + take)])):
+                    skipped[s] += sum(b - a for a, b in ranges)
+                left -= take
+                if not left:
+                    break
+        for s, st in enumerate(self.streams):
+            if not st.source.remote:
+                continue
+            view: View = _MixView(self, s)
+            st.source.plan_epoch(
+                epoch=pr.epoch,
+                seed=st.seed,
+                shuffle=st.shuffle,
+                window=st.shuffle_window,
+                remaining=pr.base(self.epoch_total),
+                received=pr.received,
+                world=world.world_size,
+                rank=world.rank,
+                num_workers=pr.num_workers,
+                worker=logical,
+                batch_size=pr.batch_size,
+                drop_last=self.drop_last,
+                skipped=int(skipped[s]),
+                subsample=st.subsample,
+                epoch_size=mix.counts[s],
+                units=st.units,
+                view=view,
+            )
+
+    # -- resume ------------------------------------------------------------------------
+    @property
+    def _name(self) -> str:
+        return self.source.url
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "mix": self.mode,
+            "seed": self.seed,
+            "mix_batch": self.mix_batch if self.unit > 1 else None,
+            "epoch_size": self.epoch_size,
+            "drop_last": self.drop_last,
+            "streams": [
+                {**st._identity(), **dataclasses.asdict(sh)}
+                for st, sh in zip(self.streams, self.shares, strict=True)
+            ],
+        }
+
+    def state_dict(
+        self,
+        received: int | None = None,
+        num_workers: int | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`StreamingDataset.state_dict`; ``received`` counts samples."""
+        if received is None and get_worker_info() is None:
+            if int(self._counters()[0]) != self._expect:
+                return super().state_dict()  # raises: workers iterated it
+            received, num_workers, batch_size = self._yielded, 1, self.unit
+        if received is not None:
+            received //= self.unit
+        if self.unit > 1:
+            batch_size = 1
+        return super().state_dict(received, num_workers, batch_size)
+
+    def _worker_state(self) -> dict[str, Any]:
+        state = super()._worker_state()
+        state["yielded"] = self._skip + self._yielded // self.unit
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As :meth:`StreamingDataset.load_state_dict`.
+
+        Raises:
+            ResumeStateError: the state is from another mix: other streams, shares, mode,
+                seed, ``epoch_size``, or a stream read with another ``subsample``,
+                ``epoch_size``, seed or shuffle (the message names it).
+        """
+        if isinstance(state, dict) and isinstance(state.get("streams"), list):
+            mine = self._identity()["streams"]
+            theirs = state["streams"]
+            if len(theirs) != len(mine):
+                raise ResumeStateError(
+                    f"{self._name}: the state is of a mix of {len(theirs)} streams, "
+                    f"this one has {len(mine)}"
+                )
+            for i, (a, b) in enumerate(zip(theirs, mine, strict=True)):
+                for key in sorted(set(a) | set(b)):
+                    if a.get(key) != b.get(key):
+                        raise ResumeStateError(
+                            f"{self._name}: stream {i} of the state was read with "
+                            f"{key}={a.get(key)!r}, this mix has {key}={b.get(key)!r}; it "
+                            "can't continue that epoch"
+                        )
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_mix_cache", None)
+        state.pop("_stream_orders", None)
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedDataset({len(self.streams)} streams, mode={self.mode!r}, "
+            f"counts={self.stream_counts}, epoch={self.epoch})"
+        )
+
+
+def _stream_items(st: StreamingDataset, keys: np.ndarray) -> Iterator[Any]:
+    """The samples of ``keys`` of stream ``st``, transformed as the stream says."""
+    read = getattr(st, "_read_units", None)
+    if read is not None:
+        items = read(keys)[1]
+    else:  # items of an index
+        chunks, pos = st.index.locate_many(keys)
+        items = (st._reader.read(c, p) for c, p in zip(chunks.tolist(), pos.tolist(), strict=True))
+    for item in items:
+        yield st.transform(item) if st.transform else item
