@@ -34,6 +34,7 @@ from .errors import (
 )
 from .optimize import OptimizeResult, optimize
 from .prefetch import prefetch
+from .tokens import TokenBlocks
 from .upload import UploadSummary, upload
 
 if typing.TYPE_CHECKING:
@@ -100,6 +101,7 @@ __all__ = [
     "StorageError",
     "StorageTimeoutError",
     "StreamingDataset",
+    "TokenBlocks",
     "TransientError",
     "TruncatedChunkError",
     "UnsafePathError",

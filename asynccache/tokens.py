@@ -18,6 +18,7 @@ Layer: above :mod:`asynccache.format`, :mod:`asynccache.sampling` and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,19 @@ class TokenUnits:
     def last_chunks(self, units: np.ndarray) -> np.ndarray:
         """The last chunk each block touches (a block may run into the next chunks)."""
         return self.layout.last_chunks(units)
+
+    def read_many(self, reader: Reader, blocks: np.ndarray) -> Iterator[Any]:
+        """Blocks ``blocks`` in order, read as :meth:`read` does."""
+        L = self.block_size
+        starts, offsets = self.layout.locate_many(blocks)
+        lasts = self.layout.last_chunks(blocks)
+        for b, c, off, last in zip(
+            blocks.tolist(), starts.tolist(), offsets.tolist(), lasts.tolist(), strict=True
+        ):
+            if c == last:
+                yield reader.chunk_tokens(c)[off : off + L]
+            else:
+                yield self.read(reader, b)
 
     def read(self, reader: Reader, block: int) -> Any:
         """Block ``block``: a view of its chunk's mapping, or one copy when it spans chunks."""

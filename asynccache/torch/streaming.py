@@ -19,6 +19,7 @@ from ..sampling import Plan, Segment, consumed_to_remaining, plan
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, received_per_worker
 from ..source import DatasetSource
+from ..tokens import TokenBlocks, TokenUnits
 from . import distributed
 
 STATE_VERSION = 1
@@ -143,6 +144,10 @@ class StreamingDataset(IterableDataset[Any]):
         epoch_size: samples per epoch over all ranks (None: one pass over the items, or
             over the subsample). Fewer truncates each epoch; more wraps into a further
             pass over the data, shuffled anew.
+        item_loader: how a sample is read. None: one sample per written item.
+            ``TokenBlocks(block_size=L)`` (a dataset written with ``tokens=``): a sample
+            is a block of ``L`` tokens of the concatenated documents (docs/tokens.md);
+            ``num_items``, ``len()``, ``ds[i]``, shuffle, split and resume count blocks.
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class StreamingDataset(IterableDataset[Any]):
         epoch_size: int | None = None,
         allow_pickle: bool = False,
         settings: Settings | None = None,
+        item_loader: TokenBlocks | None = None,
     ) -> None:
         self.order_spec = _order_spec(seed, shuffle, shuffle_window, subsample, epoch_size)
         self.settings = settings or Settings.from_env(max_cache_bytes=max_cache_bytes)
@@ -177,6 +183,12 @@ class StreamingDataset(IterableDataset[Any]):
         self.shuffle_window = shuffle_window
         self.subsample, self.epoch_size = subsample, epoch_size
         self.units: Units = ItemUnits(self.index)
+        self.item_loader = item_loader
+        self._blocks: TokenUnits | None = None
+        if item_loader is not None:
+            if not isinstance(item_loader, TokenBlocks):
+                raise ConfigError(f"item_loader must be a TokenBlocks, got {item_loader!r}")
+            self.units = self._blocks = item_loader.bind(self.index, self.source.url)
         self._check_order()
         self._num_workers: int | None = None  # set by CacheDataLoader; else from torch
         self._progress = _Progress()
@@ -230,6 +242,9 @@ class StreamingDataset(IterableDataset[Any]):
     # -- size and random access ----------------------------------------------------
     @property
     def num_items(self) -> int:
+        """Items (with ``item_loader=TokenBlocks``: blocks) the dataset holds."""
+        if self._blocks is not None:
+            return len(self._blocks)
         return self.index.total_items
 
     @property
@@ -249,7 +264,12 @@ class StreamingDataset(IterableDataset[Any]):
         return p.rank_samples - pr.received
 
     def __getitem__(self, key: int) -> Any:
-        item = self._reader[int(key)]
+        if self._blocks is not None:
+            if not 0 <= int(key) < len(self._blocks):
+                raise IndexError(f"block {key} is out of range for {len(self._blocks)} blocks")
+            item = self._blocks.read(self._reader, int(key))
+        else:
+            item = self._reader[int(key)]
         return self.transform(item) if self.transform else item
 
     # -- epochs --------------------------------------------------------------------
@@ -438,10 +458,8 @@ class StreamingDataset(IterableDataset[Any]):
                 for a in range(seg.start, seg.end, _BLOCK):
                     self._report_stats()
                     keys = order.keys(a, min(seg.end, a + _BLOCK))
-                    chunks, positions = self.index.locate_many(keys)
-                    pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
-                    for j, (ci, pos) in enumerate(pairs):
-                        item = self._reader.read(ci, pos)
+                    chunks, items = self._read_units(keys)
+                    for j, item in enumerate(items):
                         if j == 0:  # after the first read: it had the bandwidth to itself
                             self._hint(order, segments, seg, a, chunks)
                         self._yielded += 1
@@ -449,6 +467,14 @@ class StreamingDataset(IterableDataset[Any]):
         finally:
             self._report_stats()
             self._reader.close()
+
+    def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
+        """The chunk each unit of ``keys`` starts in, and the units read one by one."""
+        if self._blocks is not None:
+            return self._blocks.chunks_of(keys), self._blocks.read_many(self._reader, keys)
+        chunks, positions = self.index.locate_many(keys)
+        pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
+        return chunks, (self._reader.read(ci, pos) for ci, pos in pairs)
 
     def _plan_epoch(self, pr: _Progress, world: distributed.World, logical: int) -> None:
         """Tell the source which part of the node's epoch this reader reads."""
@@ -498,7 +524,7 @@ class StreamingDataset(IterableDataset[Any]):
     def _identity(self) -> dict[str, Any]:
         """What a resume state must match: the dataset and everything that makes its
         order (a state from another order can't be continued)."""
-        return {
+        out = {
             "dataset": self.index.checksum,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -507,6 +533,9 @@ class StreamingDataset(IterableDataset[Any]):
             "epoch_size": self.epoch_size,
             "drop_last": self.drop_last,
         }
+        if self.item_loader is not None:  # blocks of another size are other samples
+            out["item_loader"] = self.item_loader.name
+        return out
 
     def state_dict(
         self,
@@ -590,7 +619,7 @@ class StreamingDataset(IterableDataset[Any]):
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ResumeStateError(f"not a {type(self).__name__} state")
-        for key, mine in self._identity().items():
+        for key, mine in {"item_loader": None, **self._identity()}.items():
             if state.get(key) != mine:
                 raise ResumeStateError(
                     f"{self._name}: the state was saved with {key}={state.get(key)!r}, "

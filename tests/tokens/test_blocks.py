@@ -8,19 +8,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asynccache.errors import ConfigError, DataError, SerializationError, UnsupportedVersionError
-from asynccache.format import ChunkView
+from asynccache.format import ChunkView, Index
 from asynccache.format.tokens import dtype_of_flags, encode_tokens, token_dtype
 from asynccache.reader import Reader
 from asynccache.sampling.blocks import BlockLayout
 from asynccache.tokens import TokenBlocks
-from asynccache.writer import ChunkWriter, merge_dir, read_index
+from asynccache.writer import ChunkWriter, merge_dir
 
 from .corpus import documents, write_tokens
 
 
-def _reader(directory: str) -> tuple[Reader, object]:
-    index = read_index(f"{directory}/index.json")
-    return Reader(index, lambda ci, e: f"{directory}/{e.filename}"), index
+def _reader(directory: str, index: Index) -> Reader:
+    return Reader(index, lambda ci, e: f"{directory}/{e.filename}")
 
 
 @settings(
@@ -40,8 +39,8 @@ def test_blocks_are_the_concatenated_documents(
     d = str(tmp_path_factory.mktemp("tok"))
     high = 250 if dtype == "uint8" else 60000
     docs = documents(lengths, seed=len(lengths) * 7 + block, high=high)
-    write_tokens(d, docs, chunk_bytes=chunk_bytes, dtype=dtype)
-    reader, index = _reader(d)
+    index = write_tokens(d, docs, chunk_bytes=chunk_bytes, dtype=dtype)
+    reader = _reader(d, index)
     units = TokenBlocks(block).bind(index)
     stream = np.concatenate(docs) if docs else np.empty(0, np.int64)
     assert units.total_tokens == len(stream)
@@ -68,8 +67,8 @@ def test_blocks_are_the_concatenated_documents(
 
 def test_in_chunk_blocks_share_memory_with_the_mapping(tmp_path):
     docs = documents([1000, 700, 1500, 300, 2000])
-    write_tokens(str(tmp_path), docs, chunk_bytes=4096)  # ~2000 tokens a chunk
-    reader, index = _reader(str(tmp_path))
+    index = write_tokens(str(tmp_path), docs, chunk_bytes=4096)  # ~2000 tokens a chunk
+    reader = _reader(str(tmp_path), index)
     units = TokenBlocks(300).bind(index)
     assert len(index.chunks) > 2
     inside = spans = 0
@@ -121,8 +120,7 @@ def test_token_values_are_checked_and_dtypes_named():
 
 
 def test_token_chunk_damage_is_refused(tmp_path):
-    write_tokens(str(tmp_path), documents([10, 11]), dtype="uint16")
-    index = read_index(f"{tmp_path}/index.json")
+    index = write_tokens(str(tmp_path), documents([10, 11]), dtype="uint16")
     path = f"{tmp_path}/{index.chunks[0].filename}"
     data = bytearray(open(path, "rb").read())
     data[12:16] = (1 | (77 << 8)).to_bytes(4, "little")  # an unknown dtype code
@@ -134,7 +132,6 @@ def test_item_dataset_is_not_token_blocks(tmp_path):
     w = ChunkWriter(str(tmp_path), 0)
     w.add(0, np.arange(5))
     w.finish()
-    merge_dir(str(tmp_path), [0])
-    index = read_index(f"{tmp_path}/index.json")
+    index = merge_dir(str(tmp_path), [0])
     with pytest.raises(DataError, match="not a token dataset"):
         TokenBlocks(4).bind(index, str(tmp_path))
