@@ -40,3 +40,23 @@ def mix(urls: list[str], mode: str = "random", batch_size: int = 8, **kw: Any) -
 
 def pairs(batches: list[dict]) -> list[tuple[int, int]]:
     return [(int(s), int(i)) for b in batches for s, i in zip(b["s"], b["i"], strict=True)]
+
+
+def upload_streams(objstore: Any, local: list[str], bucket: str) -> list[str]:
+    """The streams uploaded to ``s3://bucket/stream{s}``."""
+    from asynccache.config import Settings
+    from asynccache.upload import upload
+
+    urls = []
+    for s, d in enumerate(local):
+        url = f"s3://{bucket}/stream{s}"
+        upload(d, url, objstore.storage_options, settings=Settings.from_env(progress=False))
+        urls.append(url)
+    return urls
+
+
+def chunk_files(cache_dir: str) -> list[str]:
+    """Chunk files in a cache directory (every dataset's)."""
+    return sorted(
+        f for _root, _dirs, files in os.walk(cache_dir) for f in files if f.endswith(".bin")
+    )

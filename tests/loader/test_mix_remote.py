@@ -1,0 +1,91 @@
+"""A mix and a subsample read from SeaweedFS: each chunk downloaded once per node, and a
+subsample downloads only its own chunks (GETs counted by a fault proxy without faults,
+and the download statistics of every worker)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+
+from asynccache import CacheDataLoader, StreamingDataset
+from asynccache.sampling.order import ReadOrder
+from asynccache.testing.faults import FaultProxy
+from asynccache.torch.mixed import MixedDataset, Stream
+from tests.loader.mix_data import (
+    CHUNK,
+    SIZES,
+    WEIGHTS,
+    chunk_files,
+    pairs,
+    upload_streams,
+    write_streams,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def remote(objstore, tmp_path_factory):
+    bucket = "mix-" + os.urandom(4).hex()
+    objstore.create_bucket(bucket)
+    src = str(tmp_path_factory.mktemp("mix-src"))
+    return upload_streams(objstore, write_streams(src), bucket)
+
+
+@pytest.fixture
+def proxy(objstore):
+    with FaultProxy(objstore.endpoint_url) as p:
+        yield p
+
+
+def chunk_gets(proxy) -> collections.Counter[str]:
+    """GETs per chunk object (full path: the streams' chunks share names)."""
+    return collections.Counter(
+        r.path for r in proxy.requests if r.method == "GET" and "/chunk-" in r.path
+    )
+
+
+def test_mix_downloads_each_chunk_once_per_node(remote, objstore, proxy, tmp_path):
+    cache = str(tmp_path / "cache")
+    opts = dict(objstore.storage_options, endpoint_url=proxy.url)
+    streams = [
+        Stream(
+            StreamingDataset(u, cache_dir=cache, shuffle=True, seed=s, storage_options=opts),
+            weight=w,
+        )
+        for s, (u, w) in enumerate(zip(remote, WEIGHTS, strict=True))
+    ]
+    ds = MixedDataset(streams, mode="per_stream", batch_size=8, seed=1)
+    assert ds.stream_counts == [296, 176, 120]  # stream 2 wraps: 1.2 passes
+    batches = list(CacheDataLoader(ds, batch_size=8, num_workers=2))
+    got = collections.Counter(s for s, _ in pairs(batches))
+    assert got == {0: 296, 1: 176, 2: 120}
+    chunks = sum(-(-n // CHUNK) for n in SIZES)
+    gets = chunk_gets(proxy)
+    assert len(gets) == chunks and set(gets.values()) == {1}, "each chunk downloaded once"
+    assert len(chunk_files(cache)) == chunks
+    # the workers' statistics saw them all (an index sidecar, where the index has one,
+    # is fetched by the same downloader: at most one more per stream)
+    assert chunks <= ds.download_stats()["chunks_fetched"] <= chunks + len(SIZES)
+
+
+def test_subsample_downloads_only_its_chunks(remote, objstore, proxy, tmp_path):
+    cache = str(tmp_path / "cache")
+    ds = StreamingDataset(
+        remote[0],
+        cache_dir=cache,
+        shuffle=True,
+        seed=9,
+        subsample=0.1,
+        storage_options=dict(objstore.storage_options, endpoint_url=proxy.url),
+    )
+    keys = [int(k) for b in CacheDataLoader(ds, batch_size=4, num_workers=2) for k in b["i"]]
+    chosen = ReadOrder(ds.units, ds.order_spec, 0).chunks
+    assert chosen is not None and len(keys) == len(chosen) * CHUNK
+    names = sorted(ds.index.chunks[c].filename for c in chosen)
+    assert len(names) == 3 and chunk_files(cache) == names
+    gets = chunk_gets(proxy)
+    assert sorted(p.rsplit("/", 1)[1] for p in gets) == names and set(gets.values()) == {1}
+    assert 3 <= ds.download_stats()["chunks_fetched"] <= 4
