@@ -41,6 +41,7 @@ if typing.TYPE_CHECKING:
     from .torch.cache import Cache, CacheNotFilledError
     from .torch.dataloader import CacheDataLoader, LoaderStats
     from .torch.fetcher import Fetcher, FetcherStats
+    from .torch.mixed import MixedDataset, Stream
     from .torch.streaming import StreamingDataset
 
 # The torch-facing names are imported on first use, so ``import asynccache`` (and a
@@ -53,6 +54,8 @@ _LAZY = {
     "Fetcher": ".torch.fetcher",
     "FetcherStats": ".torch.fetcher",
     "StreamingDataset": ".torch.streaming",
+    "MixedDataset": ".torch.mixed",
+    "Stream": ".torch.mixed",
 }
 
 
@@ -92,6 +95,7 @@ __all__ = [
     "FetcherStats",
     "InputFailedError",
     "LoaderStats",
+    "MixedDataset",
     "ObjectNotFoundError",
     "OptimizeResult",
     "ResumeStateError",
@@ -100,6 +104,7 @@ __all__ = [
     "Settings",
     "StorageError",
     "StorageTimeoutError",
+    "Stream",
     "StreamingDataset",
     "TokenBlocks",
     "TransientError",
