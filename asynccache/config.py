@@ -55,7 +55,7 @@ class Settings:
     max_cache_bytes: int = 50 << 30
     max_concurrency: int = 16
     prefetch_chunks: int = 4
-    part_bytes: int = 64 << 20
+    part_bytes: int = 8 << 20  # cloud links: many parallel parts keep slow connections full
     retries: int = 5
     timeout_s: float = 60.0
     # A body that delivers less than this over a stall window (timeout_s) counts as
