@@ -22,8 +22,10 @@ from typing import Any
 
 from ._version import __version__
 from .errors import AsyncCacheError, ConfigError, DataError, ObjectNotFoundError
-from .format import INDEX_NAME, Index
+from .format import INDEX_NAME
 from .format.index import VERSION as INDEX_VERSION
+from .format.index import VERSION_COLUMNS as INDEX_VERSION_COLUMNS
+from .indexfile import read_path
 
 __all__ = ["main"]
 
@@ -67,11 +69,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if not is_remote(args.url):
         _require_index(local_dir(args.url))
     index = DatasetSource(args.url, storage_options=_storage_options(args.storage_option)).index
-    sizes = [c.bytes for c in index.chunks]
-    items = [c.items for c in index.chunks]
+    sizes = index.bytes_per_chunk.tolist()
+    items = index.items_per_chunk.tolist()
     rows = [
         ("dataset", args.url),
-        ("format version", str(INDEX_VERSION)),
+        ("format version", str(INDEX_VERSION_COLUMNS if index.mapped else INDEX_VERSION)),
         ("items", str(index.total_items)),
         ("chunks", str(len(index.chunks))),
         ("bytes", _bytes(index.total_bytes)),
@@ -96,8 +98,7 @@ def _verify(args: argparse.Namespace) -> int:
         )
     root = local_dir(args.dir)
     index_path = _require_index(root)
-    with open(index_path, "rb") as f:
-        index = Index.from_json(f.read(), index_path)
+    index = read_path(index_path)
 
     def resolve(ci: int, entry: Any) -> str:
         return os.path.join(root, entry.filename)

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import forksafe
+from . import forksafe, indexfile
 from .bridge import get_loop_thread
 from .cache.store import ChunkStore
 from .config import Settings
@@ -32,11 +32,12 @@ from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
 from .errors import (
     CorruptIndexError,
-    ObjectNotFoundError,
     RetriesExhaustedError,
     TransientError,
 )
 from .format import INDEX_NAME, ChunkEntry, Index
+from .format.index import IndexMeta
+from .format.index import load as load_index
 from .readplan import EpochSpec, PlanCache, ReadPlan, View, raise_if_below
 from .sampling.order import Units
 from .storage import open_storage
@@ -117,15 +118,9 @@ class DatasetSource:
     # -- opening -------------------------------------------------------------------
     def _read_index(self) -> Index:
         if not self.remote:
-            path = os.path.join(local_dir(self.url), INDEX_NAME)
-            try:
-                with open(path, "rb") as f:
-                    return Index.from_json(f.read(), path)
-            except FileNotFoundError as exc:
-                raise ObjectNotFoundError(
-                    f"{path}: no dataset here (index.json is missing)", url=path
-                ) from exc
-        storage = self._connect().storage
+            return indexfile.read_dir(local_dir(self.url))
+        conn = self._connect()
+        storage = conn.storage
         policy = RetryPolicy(
             self.settings.retries, self.settings.backoff_base_s, self.settings.backoff_max_s
         )
@@ -138,7 +133,10 @@ class DatasetSource:
                     text = await asyncio.wait_for(storage.read(INDEX_NAME), self.settings.timeout_s)
                     # Parsed off the loop (an index can be megabytes); a checksum mismatch
                     # is damage in transit, as transient as a reset: fetch it again.
-                    return await asyncio.to_thread(Index.from_json, text, url)
+                    got = await asyncio.to_thread(load_index, text, url)
+                    if isinstance(got, Index):
+                        return got
+                    return await self._fetch_sidecar(conn, got)
                 except (TransientError, asyncio.TimeoutError, CorruptIndexError) as exc:
                     failures += 1
                     if not policy.should_retry(failures):
@@ -146,7 +144,8 @@ class DatasetSource:
                     await asyncio.sleep(policy.delay(failures, getattr(exc, "retry_after", None)))
 
         # Bounded: each attempt by timeout_s, each pause by backoff_max_s; the parse gets
-        # the same again.
+        # the same again. A sidecar download is bounded by the downloader's own retries
+        # and stall timeout.
         budget = (2 * self.settings.timeout_s + self.settings.backoff_max_s) * (
             self.settings.retries + 1
         )
@@ -155,6 +154,48 @@ class DatasetSource:
         except BaseException:
             self.close()  # a source that failed to open holds nothing open
             raise
+
+    async def _fetch_sidecar(self, conn: Connection, meta: IndexMeta) -> Index:
+        """The columns of a version-2 index, fetched into this node's cache like a chunk
+        (one GET per node: the cache's download lock) and mapped from there.
+
+        A sidecar whose bytes don't match its checksum on arrival is fetched again by the
+        downloader; one damaged in the cache afterwards is removed here, and the caller
+        fetches it again (:class:`CorruptIndexError` is transient to it).
+        """
+        self._identity = meta.sidecar_checksum
+        store = self._downloader_of(conn).store
+        # A downloader of its own: the sidecar is not a chunk, and the chunk downloader's
+        # statistics count chunks.
+        side = Downloader(conn.storage, store, self.settings)
+        try:
+            for _ in range(8):  # a pin can lose a race with another process's evictor
+                path = await side.ensure_async(meta.sidecar, meta.sidecar_bytes, meta.sidecar_hex)
+                if store.pin(meta.sidecar) is None:
+                    continue
+                damaged = False
+                try:
+                    return await asyncio.to_thread(indexfile.map_sidecar, meta, path)
+                except CorruptIndexError:
+                    damaged = True
+                    raise
+                finally:
+                    store.unpin(meta.sidecar)  # the mapping holds its own lock
+                    if damaged:
+                        indexfile.discard(path)
+        finally:
+            await side.aclose()
+        raise TransientError(
+            f"{self.url}/{meta.sidecar}: evicted again right after download; "
+            "ASYNCCACHE_MAX_CACHE_BYTES is too small",
+            url=self.url,
+        )
+
+    def _cache_identity(self) -> str:
+        """The dataset's identity in the cache: the index checksum (of a version-2 index,
+        its sidecar's, known before the sidecar is fetched)."""
+        ident = self.__dict__.get("_identity")
+        return str(ident) if ident is not None else self.index.checksum
 
     def _connect(self) -> Connection:
         """This process's connection: made on first use, anew in a forked or spawned child
@@ -181,7 +222,7 @@ class DatasetSource:
         with self._mu:
             if conn.downloader is None:
                 store = ChunkStore.for_dataset(
-                    self.settings, self.url, self.index.checksum, durable=self.settings.durable
+                    self.settings, self.url, self._cache_identity(), durable=self.settings.durable
                 )
                 conn.attach(store, Downloader(conn.storage, store, self.settings))
             assert conn.downloader is not None

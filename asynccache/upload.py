@@ -31,10 +31,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from . import indexfile
 from .bridge import get_loop_thread
 from .config import Settings
 from .errors import ConfigError, DataError, ObjectNotFoundError
 from .format import INDEX_NAME, Index
+from .format.columns import NAME_RE as SIDECAR_NAME
 from .storage import Storage, open_storage
 from .storage.transport import gather_or_cancel
 
@@ -172,6 +174,8 @@ def plan_upload(
     there = {c.filename: c for c in remote_index.chunks}
     todo = []
     for key, size in files:
+        if SIDECAR_NAME.match(key) and remote_sizes.get(key) == size:
+            continue  # named by its own checksum: the same name is the same bytes
         mine, theirs = here.get(key), there.get(key)
         same = (
             key != INDEX_NAME
@@ -186,15 +190,14 @@ def plan_upload(
 
 
 def _read_local_index(root: Path) -> Index:
-    path = root / INDEX_NAME
-    return Index.from_json(path.read_bytes(), str(path))
+    return indexfile.read_dir(str(root))
 
 
 async def _remote_index(storage: Storage) -> Index | None:
     """The destination's ``index.json`` if it can be trusted; None when absent or damaged."""
     url = storage.object_url(INDEX_NAME)
     try:
-        return Index.from_json(await storage.read(INDEX_NAME), url)
+        return await indexfile.read_storage(storage)
     except ObjectNotFoundError:
         return None
     except DataError as exc:  # damaged or foreign: it proves nothing, so nothing is skipped

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from . import indexfile
 from ._version import __version__
 from .errors import BadIndexError, CacheError, ConfigError, WriteConflictError
 from .format import (
@@ -212,10 +213,10 @@ class ProgressWait:
 
 
 def read_index(path: str) -> Index:
-    """Read and validate an index file. Raises BadIndexError naming ``path``."""
+    """Read and validate an index file (either version). Raises BadIndexError naming
+    the file at fault."""
     try:
-        with open(path, "rb") as f:
-            return Index.from_json(f.read(), path)
+        return indexfile.read_path(path)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -272,9 +273,8 @@ def merge_dir(
     if sum(len(c.keys) for c in idx.chunks) > COMPACT_RUNS_PER_CHUNK * max(1, len(idx.chunks)):
         idx = compact_dir(directory, idx)
     fsync_dir(directory)  # the chunk and writer-index names, before the commit names them
-    atomic_write(os.path.join(directory, INDEX_NAME), [idx.to_json().encode()], fsync=True)
-    fsync_dir(directory)  # the commit itself
-    return idx
+    # Version 2: the column sidecar, then index.json naming it (the commit).
+    return indexfile.write_dir(directory, idx, fsync=True)
 
 
 def compact_dir(directory: str, index: Index) -> Index:

@@ -11,6 +11,7 @@ import pytest
 
 import asynccache
 from asynccache.cli import main
+from asynccache.indexfile import read_dir
 from asynccache.testing import ObjectStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,8 +43,7 @@ def _options(objstore: ObjectStore) -> list[str]:
 
 
 def _chunks(root: Path) -> list[str]:
-    doc = json.loads((root / "index.json").read_text())
-    return [c["filename"] for c in doc["chunks"]]
+    return [c.filename for c in read_dir(str(root)).chunks]
 
 
 def test_inspect_prints_the_index_summary(
@@ -54,7 +54,7 @@ def test_inspect_prints_the_index_summary(
     rows = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in out.splitlines())}
     assert rows["items"] == "10"
     assert rows["chunks"] == "4"
-    assert rows["format version"] == "1"
+    assert rows["format version"] == "2"
     assert rows["chunk items"] == "min 1, median 3, max 3"
     assert rows["chunk bytes"].startswith("min ")
     assert json.loads(rows["writer config"])["chunk_size"] == 3
@@ -143,14 +143,14 @@ def test_upload_to_a_local_directory_url(
     dest = tmp_path / "dest"
     assert main(["upload", str(dataset), dest.as_uri()]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("uploaded 6 objects") and "0 already present" in out
+    assert out.startswith("uploaded 7 objects") and "0 already present" in out
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in dataset.iterdir())
     assert main(["verify", str(dest)]) == 0
     assert main(["upload", str(dataset), dest.as_uri()]) == 0
     out = capsys.readouterr().out
     # Every chunk is recorded remotely with the same checksum: skipped. The writer index
     # (no record) and the commit go again.
-    assert "uploaded 2 objects" in out and "4 already present" in out
+    assert "uploaded 2 objects" in out and "5 already present" in out  # 4 chunks, the sidecar
 
 
 def test_upload_inspect_and_prefetch_through_s3(
@@ -163,7 +163,7 @@ def test_upload_inspect_and_prefetch_through_s3(
     url = f"s3://{bucket}/datasets/ten"
     opts = _options(objstore)
     assert main(["upload", str(dataset), url, *opts]) == 0
-    assert "uploaded 6 objects" in capsys.readouterr().out
+    assert "uploaded 7 objects" in capsys.readouterr().out
 
     assert main(["inspect", url, *opts]) == 0
     out = capsys.readouterr().out

@@ -183,7 +183,9 @@ def test_chunks_and_writer_indexes_are_durable_before_the_commit(
 
     commit = events.index(("replace", str(out / "index.json")))
     files = sorted(p.name for p in out.iterdir() if p.name != "index.json")
-    assert files == ["0.index.json"] + [f"chunk-0-{n}.bin" for n in range(4)]
+    sidecars = [n for n in files if n.startswith("index-") and n.endswith(".cols")]
+    assert len(sidecars) == 1  # the index's columns: durable before the commit too
+    assert files == ["0.index.json"] + [f"chunk-0-{n}.bin" for n in range(4)] + sidecars
     for name in files:
         renamed = events.index(("replace", str(out / name)))
         synced = [

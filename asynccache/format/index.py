@@ -28,26 +28,33 @@ Every index the writer produces ends with ``"index_checksum": "xxh3_64:<16 hex>"
 checksum of the file's own bytes without that member (see :func:`seal`), so a damaged
 index is refused (``CorruptIndexError``) instead of read as a different dataset. Indexes
 without the member (older writers, hand-made) are still read, unverified.
+
+Version 2 (what ``merge`` writes now) keeps ``index.json`` small: the per-chunk facts
+live in a binary sidecar of columns (:mod:`.columns`) that readers map instead of
+parsing; :func:`load` returns its :class:`IndexMeta`, and :meth:`IndexMeta.open` makes
+the :class:`Index` from the sidecar's bytes. Version 1 stays readable.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import json
 import posixpath
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 import xxhash
 
 from ..errors import BadIndexError, CorruptIndexError, UnsafePathError
+from . import columns as cols_mod
+from .columns import Columns
 
 FORMAT = "asynccache-index"
 VERSION = 1
+VERSION_COLUMNS = 2
 INDEX_NAME = "index.json"
 CHECKSUM_ALGO = "xxh3_64"
 INDEX_CHECKSUM_FIELD = "index_checksum"
@@ -174,45 +181,158 @@ def runs(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
+class LazyChunks(Sequence[ChunkEntry]):
+    """The chunks of a version-2 index as :class:`ChunkEntry` objects, made on access.
+
+    For callers that want an entry (the CLI, upload); the hot paths use the arrays.
+    """
+
+    __slots__ = ("_cols",)
+
+    def __init__(self, cols: Columns) -> None:
+        self._cols = cols
+
+    def __len__(self) -> int:
+        return len(self._cols)
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ChunkEntry]: ...
+    def __getitem__(self, i: int | slice) -> ChunkEntry | Sequence[ChunkEntry]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"chunk {i} is out of range for {n} chunks")
+        return _entry_of(self._cols, i % n)
+
+    def __iter__(self) -> Iterator[ChunkEntry]:
+        return (_entry_of(self._cols, i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} chunks>"
+
+
+def _entry_of(cols: Columns, c: int) -> ChunkEntry:
+    runs_ = cols.runs
+    if runs_ is None:
+        a, n = int(cols.item_start[c]), int(cols.items[c])
+        keys: tuple[tuple[int, int], ...] = ((a, n),) if n else ()
+    else:
+        lo, hi = int(runs_.start[c]), int(runs_.start[c + 1])
+        keys = tuple(
+            (int(f), int(k)) for f, k in zip(runs_.first[lo:hi], runs_.count[lo:hi], strict=True)
+        )
+    ck = cols.checksums
+    return ChunkEntry(
+        cols.names.name(c),
+        int(cols.items[c]),
+        int(cols.bytes[c]),
+        f"{CHECKSUM_ALGO}:{int(ck[c]):016x}" if ck is not None else "",
+        keys,
+        None if cols.tokens is None else int(cols.tokens[c]),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Index:
-    """A parsed, validated index. ``locate(key)`` maps a key to (chunk number, position)."""
+    """A parsed, validated index. ``locate(key)`` maps a key to (chunk number, position).
 
-    chunks: tuple[ChunkEntry, ...]
+    Per-chunk facts are arrays (:attr:`items_per_chunk`, :meth:`locate_many`, ...): of a
+    version-2 index they are views of its mapped sidecar, shared by every process that
+    maps it, and :attr:`chunks` makes a :class:`ChunkEntry` only when one is asked for.
+    """
+
+    chunks: Sequence[ChunkEntry]
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     writer: int | None = None
     token: str | None = None
     #: True when the file carried an ``index_checksum`` and its bytes matched it.
     verified: bool = dataclasses.field(default=False, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.chunks, LazyChunks):
+            object.__setattr__(self, "_cols", self.chunks._cols)
+
+    @property
+    def columns(self) -> Columns:
+        """The per-chunk facts as arrays (made from :attr:`chunks` once, if not mapped)."""
+        cached = self.__dict__.get("_cols")
+        if cached is None:
+            ch = self.chunks
+            cached = cols_mod.from_lists(
+                [c.items for c in ch],
+                [c.bytes for c in ch],
+                [c.filename for c in ch],
+                [c.keys for c in ch],
+                tokens=[c.tokens for c in ch],
+            )
+            object.__setattr__(self, "_cols", cached)
+        return cached
+
+    @property
+    def mapped(self) -> bool:
+        """True when the per-chunk facts are a version-2 sidecar's columns."""
+        return isinstance(self.chunks, LazyChunks)
+
     @functools.cached_property
     def total_items(self) -> int:
-        return sum(c.items for c in self.chunks)
+        return self.columns.total_items
 
     @functools.cached_property
     def total_bytes(self) -> int:
-        return sum(c.bytes for c in self.chunks)
+        return int(self.columns.bytes.sum())
 
-    @functools.cached_property
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
     def items_per_chunk(self) -> np.ndarray:
         """Item count of each chunk (int64, read-only), in chunk order."""
-        return _frozen(np.fromiter((c.items for c in self.chunks), np.int64, len(self.chunks)))
+        return self.columns.items
 
-    @functools.cached_property
+    @property
     def bytes_per_chunk(self) -> np.ndarray:
         """Byte size of each chunk file (int64, read-only), in chunk order."""
-        return _frozen(np.fromiter((c.bytes for c in self.chunks), np.int64, len(self.chunks)))
+        return self.columns.bytes
 
-    @functools.cached_property
+    @property
     def tokens_per_chunk(self) -> np.ndarray | None:
         """Token count of each chunk (int64, read-only); None when any chunk lacks one."""
-        if any(c.tokens is None for c in self.chunks):
-            return None
-        return _frozen(
-            np.fromiter((int(c.tokens or 0) for c in self.chunks), np.int64, len(self.chunks))
-        )
+        return self.columns.tokens
+
+    @property
+    def item_start(self) -> np.ndarray:
+        """Items before each chunk, and the total last (int64, ``num_chunks + 1``)."""
+        return self.columns.item_start
+
+    def filename(self, ci: int) -> str:
+        """File name of chunk ``ci`` (without making its :class:`ChunkEntry`)."""
+        if self.mapped:
+            return self.columns.names.name(ci)
+        return self.chunks[ci].filename
+
+    def chunk_number(self, name: str) -> int | None:
+        """The number of the chunk stored as ``name``, or None."""
+        if self.mapped:
+            return self.columns.names.number(name)
+        table = self.__dict__.get("_numbers")
+        if table is None:
+            table = {c.filename: i for i, c in enumerate(self.chunks)}
+            object.__setattr__(self, "_numbers", table)
+        return table.get(name)
 
     def to_json(self) -> str:
+        """The version-1 form (per-writer and shard indexes; small)."""
         doc: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
@@ -226,9 +346,54 @@ class Index:
             doc["token"] = self.token
         return seal(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
+    def to_columns(self) -> tuple[str, bytes, str]:
+        """The version-2 form: ``(sidecar name, sidecar bytes, index.json text)``.
+
+        The sidecar is written first; ``index.json`` names it and is the commit.
+        """
+        c = self.columns
+        if c.checksums is None:
+            where = "index"
+            c = dataclasses.replace(
+                c,
+                checksums=np.asarray(
+                    cols_mod.parse_checksums((e.checksum for e in self.chunks), where),
+                    dtype=np.uint64,
+                ),
+            )
+        data = cols_mod.encode(c)
+        hexd = cols_mod.digest(data)
+        name = cols_mod.sidecar_name(hexd)
+        names = c.names
+        doc: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION_COLUMNS,
+            "chunks": len(c),
+            "columns": {
+                "filename": name,
+                "bytes": len(data),
+                "checksum": f"{CHECKSUM_ALGO}:{hexd}",
+            },
+            "names": {
+                "pattern": list(names.parts) if isinstance(names, cols_mod.PatternNames) else None
+            },
+            "total_items": self.total_items,
+            "total_bytes": self.total_bytes,
+            "config": dict(self.config),
+        }
+        if self.writer is not None:
+            doc["writer"] = self.writer
+            doc["token"] = self.token
+        return name, data, seal(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
     @property
     def checksum(self) -> str:
-        """A checksum of the content (chunks and their checksums), for cache identity."""
+        """A checksum of the content (chunks and their checksums), for cache identity.
+
+        Of a version-2 index, its sidecar's checksum (recorded in ``index.json``): nothing
+        is serialized again. Of a version-1 or in-memory index, the checksum of its chunk
+        list as JSON (unchanged, so existing caches keep their identity).
+        """
         cached = self.__dict__.get("_checksum")
         if cached is None:  # computed once: resume states carry it with every batch
             doc = json.dumps([c.to_json() for c in self.chunks], sort_keys=True)
@@ -236,123 +401,231 @@ class Index:
             object.__setattr__(self, "_checksum", cached)
         return str(cached)
 
+    def __reduce__(self) -> Any:
+        # A mapped index travels as where its sidecar is, and is mapped again (a spawned
+        # worker shares the node's pages instead of receiving a copy).
+        opener = self.__dict__.get("_opener")
+        if opener is not None:
+            return opener
+        return (
+            _rebuild,
+            (tuple(self.chunks), dict(self.config), self.writer, self.token, self.verified),
+        )
+
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Index:
-        """Parse, verify and validate.
+        """Parse, verify and validate a version-1 index.
 
         Raises:
             CorruptIndexError: the index carries an ``index_checksum`` its bytes don't
                 match (damaged in transit or on disk).
-            BadIndexError, UnsafePathError: not a valid index. All name ``where``.
+            BadIndexError, UnsafePathError: not a valid index, or a version-2 index (whose
+                columns are elsewhere: see :func:`load`). All name ``where``.
         """
-        data = text.encode() if isinstance(text, str) else bytes(text)
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadIndexError(f"{where}: not valid JSON ({exc})") from exc
-        # Verified before anything else is read: a damaged key or value must be reported
-        # as damage, not as whatever schema error it happens to look like.
-        verified = isinstance(doc, dict) and _verify_seal(data, doc, where)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise BadIndexError(f"{where}: not an asynccache index (missing format marker)")
-        if doc.get("version") != VERSION:
+        got = load(text, where)
+        if isinstance(got, IndexMeta):
             raise BadIndexError(
-                f"{where}: index version {doc.get('version')!r} is not "
-                f"supported (this release reads version {VERSION})"
+                f"{where}: a version-2 index: its chunks are in {got.sidecar}, "
+                "read it with asynccache.indexfile"
             )
-        try:
-            chunks: Any = []
-            first = 0
-            for c in doc["chunks"]:  # a chunk without "keys" continues where the last ended
-                chunks.append(_entry(c, where, first))
-                first += chunks[-1].items
-            chunks = tuple(chunks)
-            idx = cls(
-                chunks,
-                dict(doc.get("config") or {}),
-                doc.get("writer"),
-                doc.get("token"),
-                verified=verified,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, BadIndexError):
-                raise
-            raise BadIndexError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from exc
-        for name in ("total_items", "total_bytes"):
-            if name in doc and doc[name] != getattr(idx, name):
-                raise BadIndexError(
-                    f"{where}: {name} is {doc[name]} but the chunks add up to {getattr(idx, name)}"
-                )
-        if len({c.filename for c in chunks}) != len(chunks):
-            raise BadIndexError(f"{where}: a chunk filename appears twice")
-        if idx.writer is None:
-            idx._check_keys(where)
-        return idx
+        return got
 
     # -- key lookup ---------------------------------------------------------------
-    def _table(self) -> tuple[list[int], list[tuple[int, int, int]]]:
-        cached = self.__dict__.get("_tbl")
-        if cached is None:
-            rows = []
-            for ci, c in enumerate(self.chunks):
-                pos = 0
-                for first, count in c.keys:
-                    rows.append((first, count, ci, pos))
-                    pos += count
-            rows.sort()
-            cached = ([r[0] for r in rows], [(r[1], r[2], r[3]) for r in rows])
-            object.__setattr__(self, "_tbl", cached)
-        return cached
-
     def _check_keys(self, where: str) -> None:
-        starts, rest = self._table()
-        expect = 0
-        for first, (count, _ci, _pos) in zip(starts, rest, strict=True):
-            if first != expect or count <= 0:
-                raise BadIndexError(
-                    f"{where}: item keys are not exactly 0..{self.total_items - 1}"
-                    f" (problem near key {min(first, expect)})"
-                )
-            expect += count
-        for c in self.chunks:
-            if sum(n for _, n in c.keys) != c.items:
+        ch = self.chunks
+        first = np.fromiter((a for c in ch for a, _ in c.keys), np.int64)
+        count = np.fromiter((n for c in ch for _, n in c.keys), np.int64)
+        order = np.argsort(first, kind="stable")
+        f, n = first[order], count[order]
+        ends = np.concatenate([[0], np.cumsum(n)])[:-1]
+        bad = (n <= 0) | (f != ends)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise BadIndexError(
+                f"{where}: item keys are not exactly 0..{self.total_items - 1}"
+                f" (problem near key {min(int(f[j]), int(ends[j]))})"
+            )
+        for c in ch:
+            if sum(k for _, k in c.keys) != c.items:
                 raise BadIndexError(f"{where}: {c.filename}: keys don't add up to its item count")
 
     def chunk_keys(self, ci: int) -> np.ndarray:
         """The keys chunk ``ci`` holds, in storage order."""
-        runs_ = self.chunks[ci].keys
-        if not runs_:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in runs_])
+        return self.columns.chunk_keys(ci)
 
     def locate_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised :meth:`locate`: ``(chunk numbers, positions)`` of in-range ``keys``."""
-        starts, rest = self._table()
-        arr = self.__dict__.get("_arr")
-        if arr is None:
-            arr = (
-                np.asarray(starts, dtype=np.int64),
-                np.asarray([r[1] for r in rest], dtype=np.int64),
-                np.asarray([r[2] for r in rest], dtype=np.int64),
-            )
-            object.__setattr__(self, "_arr", arr)
-        s, chunk, pos = arr
-        r = np.searchsorted(s, keys, side="right") - 1
-        return chunk[r], pos[r] + (keys - s[r])
+        return self.columns.locate_many(keys)
 
     def locate(self, key: int) -> tuple[int, int]:
         """``(chunk number, position in chunk)`` of ``key``. IndexError when out of range."""
         if not 0 <= key < self.total_items:
             raise IndexError(f"index {key} is out of range for {self.total_items} items")
-        starts, rest = self._table()
-        r = bisect.bisect_right(starts, key) - 1
-        _count, ci, pos = rest[r]
-        return ci, pos + (key - starts[r])
+        c, p = self.columns.locate_many(np.asarray([key], dtype=np.int64))
+        return int(c[0]), int(p[0])
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
+def _rebuild(
+    chunks: tuple[ChunkEntry, ...],
+    config: dict[str, Any],
+    writer: int | None,
+    token: str | None,
+    verified: bool,
+) -> Index:
+    return Index(chunks, config, writer, token, verified=verified)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexMeta:
+    """A version-2 ``index.json``: everything but the per-chunk facts, and where they are."""
+
+    where: str
+    chunks: int
+    sidecar: str
+    sidecar_bytes: int
+    sidecar_checksum: str  # "xxh3_64:<hex>"
+    parts: tuple[str, ...] | None
+    total_items: int
+    total_bytes: int
+    config: Mapping[str, Any]
+    writer: int | None
+    token: str | None
+    verified: bool
+
+    @property
+    def sidecar_hex(self) -> str:
+        return self.sidecar_checksum.split(":", 1)[1]
+
+    def open(self, buf: Any, where: str | None = None) -> Index:
+        """The index whose sidecar bytes are ``buf`` (bytes, or a read-only mmap).
+
+        Raises:
+            CorruptIndexError: the sidecar is truncated or damaged.
+            BadIndexError: it disagrees with ``index.json`` or is invalid (names the file).
+        """
+        at = where or self.sidecar
+        if len(buf) != self.sidecar_bytes:
+            raise CorruptIndexError(
+                f"{at}: {len(buf)} bytes, but {self.where} records {self.sidecar_bytes}"
+            )
+        c = cols_mod.decode(buf, at, chunks=self.chunks, parts=self.parts)
+        idx = Index(LazyChunks(c), dict(self.config), self.writer, self.token, self.verified)
+        for name, want in (("total_items", self.total_items), ("total_bytes", self.total_bytes)):
+            if getattr(idx, name) != want:
+                raise BadIndexError(
+                    f"{self.where}: {name} is {want} but the chunks in {at} add up to "
+                    f"{getattr(idx, name)}"
+                )
+        object.__setattr__(idx, "_checksum", self.sidecar_checksum)
+        return idx
+
+
+def _meta(doc: dict[str, Any], where: str, verified: bool) -> IndexMeta:
+    try:
+        side = doc["columns"]
+        name = side["filename"]
+        if not isinstance(name, str) or not cols_mod.NAME_RE.match(name):
+            raise UnsafePathError(
+                f"{where}: sidecar name {name!r} is not index-<16 hex>{cols_mod.SUFFIX}"
+            )
+        ck, size, n = side["checksum"], side["bytes"], doc["chunks"]
+        if not (isinstance(ck, str) and ck == f"{CHECKSUM_ALGO}:{name[6:22]}"):
+            raise BadIndexError(f"{where}: sidecar checksum {ck!r} does not match its name")
+        for what, v in (("bytes", size), ("chunks", n)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise BadIndexError(f"{where}: {what} must be a non-negative integer")
+        pat = (doc.get("names") or {}).get("pattern")
+        parts = None
+        if pat is not None:
+            if not (isinstance(pat, list) and pat and all(isinstance(p, str) for p in pat)):
+                raise BadIndexError(f"{where}: names.pattern must be a list of strings")
+            if any(any(ch.isdigit() for ch in p) for p in pat) or len(pat) > 5:
+                raise BadIndexError(f"{where}: names.pattern {pat!r} is not a name pattern")
+            check_filename("0".join(pat), where)
+            parts = tuple(pat)
+        totals = [doc["total_items"], doc["total_bytes"]]
+        if not all(isinstance(v, int) and v >= 0 for v in totals):
+            raise BadIndexError(f"{where}: total_items and total_bytes must be integers")
+        return IndexMeta(
+            where,
+            n,
+            name,
+            size,
+            ck,
+            parts,
+            totals[0],
+            totals[1],
+            dict(doc.get("config") or {}),
+            doc.get("writer"),
+            doc.get("token"),
+            verified,
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise BadIndexError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from exc
+
+
+def index_from_columns(text: str | bytes, sidecar: Any, where: str) -> Index:
+    """The version-2 index whose ``index.json`` is ``text`` and sidecar bytes ``sidecar``."""
+    got = load(text, where)
+    if not isinstance(got, IndexMeta):
+        raise BadIndexError(f"{where}: not a version-2 index")
+    return got.open(sidecar)
+
+
+def load(text: str | bytes, where: str) -> Index | IndexMeta:
+    """Parse, verify and validate an ``index.json`` of either version.
+
+    Version 1 gives the finished :class:`Index`; version 2 its :class:`IndexMeta`, which
+    opens the sidecar the caller fetched or mapped.
+
+    Raises:
+        CorruptIndexError: its ``index_checksum`` does not match its bytes.
+        BadIndexError, UnsafePathError: not a valid index. All name ``where``.
+    """
+    data = text.encode() if isinstance(text, str) else bytes(text)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadIndexError(f"{where}: not valid JSON ({exc})") from exc
+    # Verified before anything else is read: a damaged key or value must be reported
+    # as damage, not as whatever schema error it happens to look like.
+    verified = isinstance(doc, dict) and _verify_seal(data, doc, where)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BadIndexError(f"{where}: not an asynccache index (missing format marker)")
+    if doc.get("version") == VERSION_COLUMNS:
+        return _meta(doc, where, verified)
+    if doc.get("version") != VERSION:
+        raise BadIndexError(
+            f"{where}: index version {doc.get('version')!r} is not "
+            f"supported (this release reads versions {VERSION} and {VERSION_COLUMNS})"
+        )
+    try:
+        chunks: Any = []
+        first = 0
+        for c in doc["chunks"]:  # a chunk without "keys" continues where the last ended
+            chunks.append(_entry(c, where, first))
+            first += chunks[-1].items
+        chunks = tuple(chunks)
+        idx = Index(
+            chunks,
+            dict(doc.get("config") or {}),
+            doc.get("writer"),
+            doc.get("token"),
+            verified=verified,
+        )
+        totals = {"total_items": first, "total_bytes": sum(c.bytes for c in chunks)}
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, BadIndexError):
+            raise
+        raise BadIndexError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from exc
+    for name, got in totals.items():
+        if name in doc and doc[name] != got:
+            raise BadIndexError(f"{where}: {name} is {doc[name]} but the chunks add up to {got}")
+    if len({c.filename for c in chunks}) != len(chunks):
+        raise BadIndexError(f"{where}: a chunk filename appears twice")
+    if idx.writer is None:
+        idx._check_keys(where)
+    return idx
 
 
 def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:

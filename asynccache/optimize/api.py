@@ -36,6 +36,9 @@ from ..errors import (
     WorkerDiedError,
 )
 from ..format import INDEX_NAME, Index, merge
+from ..format.columns import NAME_RE as SIDECAR_NAME
+from ..format.columns import sidecar_name
+from ..format.index import index_from_columns
 from ..format.items import compressor
 from ..format.tokens import token_dtype
 from ..storage import Storage
@@ -245,9 +248,12 @@ def merge_shards(
         index = _merged(job, base, parts)
         if lease is not None:
             lease.check()
-        call(jobs.put_bytes(storage, INDEX_NAME, index.to_json().encode(), job.settings))
-        _clean_after_commit(storage, job, index)
-        return index
+        # Version 2: the column sidecar first, then index.json naming it (the commit).
+        side, data, text = index.to_columns()
+        call(jobs.put_bytes(storage, side, data, job.settings))
+        call(jobs.put_bytes(storage, INDEX_NAME, text.encode(), job.settings))
+        _clean_after_commit(storage, job, index, side)
+        return index_from_columns(text, data, storage.object_url(INDEX_NAME))
     finally:
         if own:
             with contextlib.suppress(Exception):
@@ -365,9 +371,19 @@ def _merged(job: Job, base: Index | None, parts: list[Index]) -> Index:
         raise BadIndexError(f"{job.url}: cannot merge shard indexes: {exc}") from exc
 
 
-def _clean_after_commit(storage: Storage, job: Job, index: Index) -> None:
+def _clean_after_commit(
+    storage: Storage, job: Job, index: Index, sidecar: str | None = None
+) -> None:
+    if sidecar is None and index.mapped:  # a version-2 index read back: its own sidecar
+        sidecar = sidecar_name(index.checksum.split(":", 1)[1])
     named = {c.filename for c in index.chunks}
     stale = [o.key for o in call(storage.list(f"{WORK_PREFIX}/{job.gen}/"))]
+    # index sidecars no index.json names any more (an earlier commit's)
+    stale += [
+        o.key
+        for o in call(storage.list("index-"))
+        if SIDECAR_NAME.match(o.key) and o.key != sidecar
+    ]
     # chunks no index names: leftovers of a redone shard, and (overwrite) the old dataset's
     for o in call(storage.list("chunk-")):
         if o.key not in named and (

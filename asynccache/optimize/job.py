@@ -39,6 +39,7 @@ from typing import Any
 
 import xxhash
 
+from .. import indexfile
 from ..bridge import get_loop_thread
 from ..config import Settings
 from ..download.retry import RetryPolicy
@@ -220,12 +221,8 @@ async def get_json(storage: Storage, key: str) -> dict[str, Any] | None:
 
 
 async def read_index(storage: Storage, key: str = INDEX_NAME) -> Index | None:
-    """The parsed ``key`` (an index), or None when absent."""
-    try:
-        data = await storage.read(key)
-    except ObjectNotFoundError:
-        return None
-    return Index.from_json(data, storage.object_url(key))
+    """The parsed ``key`` (an index of either version), or None when absent."""
+    return await indexfile.read_storage(storage, key)
 
 
 async def delete_many(storage: Storage, keys: Sequence[str]) -> None:

@@ -21,6 +21,7 @@ from asynccache.errors import (
 )
 from asynccache.format import Index, checksum
 from asynccache.format.index import INDEX_CHECKSUM_FIELD
+from asynccache.indexfile import read_path
 from asynccache.torch.cache import Cache
 
 
@@ -34,8 +35,9 @@ def written(tmp_path):
 
 
 def load_unsealed(path):
-    """The index as a dict, without its ``index_checksum``: edited by hand, it is unsealed."""
-    doc = json.load(open(path))
+    """The index as a version-1 dict, without its ``index_checksum``: edited by hand, it is
+    unsealed (a version-2 index is turned into its version-1 form first)."""
+    doc = json.loads(read_path(str(path)).to_json())
     doc.pop(INDEX_CHECKSUM_FIELD)
     return doc
 
@@ -172,7 +174,6 @@ def test_every_error_is_an_asynccache_error():
 
 
 def test_index_round_trips(written):
-    text = (written / "index.json").read_text()
-    idx = Index.from_json(text, "index.json")
+    idx = read_path(str(written / "index.json"))
     assert Index.from_json(idx.to_json(), "x").chunks == idx.chunks
     assert idx.total_items == 10 and idx.locate(9) == (2, 1)

@@ -16,10 +16,18 @@ from asynccache import (
     optimize,
 )
 from asynccache.config import Settings
+from asynccache.format.columns import sidecar_name
 from asynccache.optimize.job import WORK_PREFIX
 from tests.optimize import helpers
 
 QUIET = Settings.from_env(progress=False)
+
+
+def committed(index):
+    """What a commit leaves in the output: index.json, its column sidecar, the chunks."""
+    return ["index.json", sidecar_name(index.checksum.split(":")[1])] + [
+        c.filename for c in index.chunks
+    ]
 
 
 def read_all(url: str, cache_dir: str, storage_options=None) -> list[dict]:
@@ -58,7 +66,7 @@ def test_s3_two_workers_each_output_once_in_input_order(objstore, bucket, tmp_pa
     assert all(len(c.keys) == 1 for c in res.index.chunks)  # one key run per chunk
     keys = listing(objstore, bucket, "ds")
     assert not [k for k in keys if k.startswith(WORK_PREFIX)], keys  # no job files left
-    assert sorted(keys) == sorted(["index.json"] + [c.filename for c in res.index.chunks])
+    assert sorted(keys) == sorted(committed(res.index))
     assert os.listdir(staging) == []  # staged chunks were deleted after upload
 
 
@@ -68,9 +76,7 @@ def test_local_output_works_the_same(tmp_path):
     res = optimize(helpers.items, inputs, out, num_workers=0, chunk_bytes="1KB", settings=QUIET)
     got = [(int(x["i"]), int(x["j"])) for x in read_all(out, tmp_path / "c")]
     assert got == helpers.expected(inputs)
-    assert sorted(os.listdir(out)) == sorted(
-        ["index.json"] + [c.filename for c in res.index.chunks]
-    )
+    assert sorted(os.listdir(out)) == sorted(committed(res.index))
 
 
 def test_create_refuses_an_existing_dataset(tmp_path):
@@ -91,9 +97,7 @@ def test_overwrite_never_mixes_and_a_failed_overwrite_keeps_the_old(objstore, bu
     with pytest.raises(InputFailedError, match="input #7"):
         optimize(helpers.bad_on_7, list(range(20)), url, num_workers=0, chunk_bytes="512B",
                  mode="overwrite", storage_options=so, settings=QUIET)  # fmt: skip
-    assert sorted(listing(objstore, bucket, "ds")) == sorted(
-        ["index.json"] + [c.filename for c in old.index.chunks]
-    )
+    assert sorted(listing(objstore, bucket, "ds")) == sorted(committed(old.index))
     assert {x["name"] for x in read_all(url, tmp_path / "c1", so)} == {"a"}
     new = optimize(
         helpers.tag, [("b", i) for i in range(30)], url, num_workers=0, chunk_bytes="512B",
@@ -101,9 +105,7 @@ def test_overwrite_never_mixes_and_a_failed_overwrite_keeps_the_old(objstore, bu
     )  # fmt: skip
     old_names = {c.filename for c in old.index.chunks}
     assert old_names.isdisjoint(c.filename for c in new.index.chunks)  # new names per job
-    assert sorted(listing(objstore, bucket, "ds")) == sorted(
-        ["index.json"] + [c.filename for c in new.index.chunks]
-    )
+    assert sorted(listing(objstore, bucket, "ds")) == sorted(committed(new.index))
     got = read_all(url, tmp_path / "c2", so)
     assert [(x["name"], int(x["i"])) for x in got] == [("b", i) for i in range(30)]
 
