@@ -21,7 +21,6 @@ requested range of positions touches, so memory is bounded by a window, not by N
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -79,9 +78,16 @@ class EpochOrder:
             step = max(1, window)
         else:
             step = 1
-        self._windows = [taking[i : i + step] for i in range(0, len(taking), step)]
-        wsizes = [int(sizes[w].sum()) for w in self._windows]
-        self._starts = np.concatenate([[0], np.cumsum(wsizes, dtype=np.int64)]).tolist()
+        # Window g is taking[g * step : (g + 1) * step]; built with arrays only, so a
+        # million chunks cost milliseconds, not a Python object per chunk.
+        self._taking, self._step = taking, step
+        wsizes = (
+            np.add.reduceat(sizes[taking], np.arange(0, len(taking), step))
+            if len(taking)
+            else np.empty(0, dtype=np.int64)
+        )
+        self._starts = np.zeros(len(wsizes) + 1, dtype=np.int64)
+        np.cumsum(wsizes, out=self._starts[1:])
 
     def __len__(self) -> int:
         return self.total
@@ -89,7 +95,8 @@ class EpochOrder:
     def _window(self, g: int) -> np.ndarray:
         if self._cache is not None and self._cache[0] == g:
             return self._cache[1]
-        keys = np.concatenate([self._keys_of(int(c)) for c in self._windows[g]])
+        window = self._taking[g * self._step : (g + 1) * self._step]
+        keys = np.concatenate([self._keys_of(int(c)) for c in window])
         if self.shuffle:
             keys = keys[_rng(self._seed, self._epoch, g + 1, self._lap).permutation(len(keys))]
         self._cache = (g, keys)
@@ -102,10 +109,10 @@ class EpochOrder:
         if self._plain:
             return np.arange(start, end, dtype=np.int64)
         out = []
-        g = bisect.bisect_right(self._starts, start) - 1
+        g = int(np.searchsorted(self._starts, start, side="right")) - 1
         pos = start
         while pos < end:
-            w0, w1 = self._starts[g], self._starts[g + 1]
+            w0, w1 = int(self._starts[g]), int(self._starts[g + 1])
             take = min(end, w1)
             out.append(self._window(g)[pos - w0 : take - w0])
             pos = take
