@@ -210,7 +210,7 @@ class MixedDataset(StreamingDataset):
         except ValueError as exc:
             raise ConfigError(f"mix: {exc}") from exc
         for i, (s, n) in enumerate(zip(self.streams, self._mix(0).counts, strict=True)):
-            if n and not len(s.units.units_per_chunk):
+            if n and not s.num_items:
                 raise ConfigError(f"stream {i} ({s.source.url}) is empty but the mix takes {n}")
         # What StreamingDataset's position machinery uses.
         self.settings = self.streams[0].settings
