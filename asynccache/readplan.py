@@ -23,15 +23,17 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from .cache.board import Board, board_path
 from .cache.plan import EpochPlan, PlanPolicy, Stream
 from .errors import ConfigError
 from .format import Index
 from .sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from .sampling.partition import Interval, Segment
-from .sampling.runs import reader_runs, reader_segments
+from .sampling.runs import ReaderRuns, reader_runs, reader_segments
 
-__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "View", "min_budget_message"]
+__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "View", "min_budget_message", "union_runs"]
 
 _KEEP_PLANS = 4
 
@@ -173,8 +175,38 @@ class PlanCache:
             if project is not None:
                 segs = project(segs)
             runs = reader_runs(segs, order.keys, order.chunks_of, gap=order.gap)
+            last = getattr(order.units, "last_chunks", None)
+            if last is not None:  # a unit (a token block) may run into the next chunk
+                runs = union_runs(runs, reader_runs(segs, order.keys, last, gap=order.gap))
             streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
         return EpochPlan(streams, [c.bytes for c in index.chunks])
+
+
+def union_runs(a: ReaderRuns, b: ReaderRuns) -> ReaderRuns:
+    """The runs of a reader that needs the chunks of both ``a`` and ``b`` (of the same
+    positions): overlapping or touching runs of one chunk become one, ordered by start."""
+    chunks = np.concatenate([a.chunks, b.chunks])
+    starts = np.concatenate([a.starts, b.starts])
+    ends = np.concatenate([a.ends, b.ends])
+    if not len(chunks):
+        return a
+    order = np.lexsort((starts, chunks))
+    c, s, e = chunks[order], starts[order], ends[order]
+    out_c, out_s, out_e = [int(c[0])], [int(s[0])], [int(e[0])]
+    for ci, si, ei in zip(c[1:].tolist(), s[1:].tolist(), e[1:].tolist(), strict=True):
+        if ci == out_c[-1] and si <= out_e[-1]:
+            out_e[-1] = max(out_e[-1], ei)
+        else:
+            out_c.append(ci)
+            out_s.append(si)
+            out_e.append(ei)
+    by_start = np.argsort(np.asarray(out_s, dtype=np.int64), kind="stable")
+    return ReaderRuns(
+        np.asarray(out_c, dtype=np.int64)[by_start],
+        np.asarray(out_s, dtype=np.int64)[by_start],
+        np.asarray(out_e, dtype=np.int64)[by_start],
+        max(a.length, b.length),
+    )
 
 
 class ReadPlan:
