@@ -201,7 +201,9 @@ class CacheDataLoader(DataLoader[Any]):
     * a dataset that owns a :class:`Cache` and fills it in ``__getitem__``: the loader
       drives it and finishes its writers; later epochs call the dataset, which reads its
       cache;
-    * a :class:`StreamingDataset`, a :class:`Cache`, or the path/URL of a written dataset.
+    * a :class:`StreamingDataset` (also one with ``subsample=`` / ``epoch_size=``, or a
+      :class:`~asynccache.MixedDataset` of several), a :class:`Cache`, or the path/URL of
+      a written dataset.
 
     Batches collate as torch's ``default_collate`` would. Under ``torch.distributed``
     every rank gets the same number of batches. Each ``iter()`` runs the next epoch (or
