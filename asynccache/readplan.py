@@ -179,7 +179,7 @@ class PlanCache:
             if last is not None:  # a unit (a token block) may run into the next chunk
                 runs = union_runs(runs, reader_runs(segs, order.keys, last, gap=order.gap))
             streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
-        return EpochPlan(streams, [c.bytes for c in index.chunks])
+        return EpochPlan(streams, index.bytes_per_chunk.tolist())
 
 
 def union_runs(a: ReaderRuns, b: ReaderRuns) -> ReaderRuns:
@@ -224,7 +224,7 @@ class ReadPlan:
         self.variant = spec.variant(plans.total)
         self.board = Board(board_path(root, spec.key(index.checksum)), spec.readers)
         self.policy = PlanPolicy(
-            [c.filename for c in index.chunks],
+            [index.filename(c) for c in range(index.num_chunks)],
             plans,
             epoch=spec.epoch,
             variant=self.variant,
@@ -237,7 +237,6 @@ class ReadPlan:
         self._starts = stream.starts.tolist()
         self._ends = stream.ends.tolist()
         self._chunks = stream.chunks.tolist()
-        self._numbers = {c.filename: i for i, c in enumerate(index.chunks)}
         self._runs: dict[int, list[int]] = {}  # chunk -> its run numbers, in order
         for i, c in enumerate(self._chunks):
             self._runs.setdefault(c, []).append(i)
@@ -262,7 +261,7 @@ class ReadPlan:
         return any(self._starts[i] <= self.pos < self._ends[i] for i in self._runs.get(ci, ()))
 
     def reads_now_name(self, name: str) -> bool:
-        ci = self._numbers.get(name)
+        ci = self.index.chunk_number(name)
         return ci is not None and self.reads_now(ci)
 
     def upcoming(self, count: int) -> list[int]:

@@ -282,7 +282,7 @@ class DatasetSource:
         conn = self._live() if self.remote else None
         if conn is None or conn.store is None or conn.closed:
             return  # the pin went with its connection (closed, or the parent's)
-        name = self.index.chunks[ci].filename
+        name = self.index.filename(ci)
         with self._mu:
             if conn.released_early[name] > 0:
                 conn.released_early[name] -= 1  # given back already (see _advance)

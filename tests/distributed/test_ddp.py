@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -52,6 +53,8 @@ def launch(world: int, cfg: dict, timeout: float = 240, main=rank_main) -> list[
 def remote(objstore, tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     list(CacheDataLoader(DictDataset(N), cache_dir=src, chunk_size=9, batch_size=16))
+    # the index as writers write it now: version 2, its columns in a sidecar
+    assert json.loads((src / "index.json").read_text())["version"] == 2
     bucket = "ddp-" + os.urandom(4).hex()
     objstore.create_bucket(bucket)
     url = f"s3://{bucket}/ds"
@@ -87,6 +90,8 @@ def test_every_sample_once_per_epoch_equal_ranks_reproducible(remote, tmp_path, 
         assert set(flat) == set(range(N)), "every sample in every epoch"
         assert len(flat) - N == per_rank_samples * world - N, "only the documented padding"
     assert first[0][0]["keys"] != first[0][1]["keys"], "epochs differ"
+    # every rank and worker mapped the index's columns from the node's one cached copy
+    assert len(glob.glob(str(tmp_path / "cache" / "*" / "index-*.cols"))) == 1
     again = launch(world, config(remote, tmp_path, "b", persistent=persistent))
     assert again == first, "identical on rerun"
 
