@@ -117,15 +117,24 @@ class TokenUnits:
         return self.layout.last_chunks(units)
 
     def read_many(self, reader: Reader, blocks: np.ndarray) -> Iterator[Any]:
-        """Blocks ``blocks`` in order, read as :meth:`read` does."""
+        """Blocks ``blocks`` in order, read as :meth:`read` does.
+
+        Each chunk's tokens are asked of ``reader`` once per call (a block is a view of
+        them, which keeps their mapping alive), not once per block: a shuffled window
+        interleaves a few chunks, and the per-block cost is then a slice.
+        """
         L = self.block_size
         starts, offsets = self.layout.locate_many(blocks)
         lasts = self.layout.last_chunks(blocks)
+        held: dict[int, np.ndarray] = {}
         for b, c, off, last in zip(
             blocks.tolist(), starts.tolist(), offsets.tolist(), lasts.tolist(), strict=True
         ):
             if c == last:
-                yield reader.chunk_tokens(c)[off : off + L]
+                tokens = held.get(c)
+                if tokens is None:
+                    tokens = held[c] = reader.chunk_tokens(c)
+                yield tokens[off : off + L]
             else:
                 yield self.read(reader, b)
 
