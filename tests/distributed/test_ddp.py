@@ -28,11 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, cfg: dict, timeout: float = 240, main=rank_main) -> list[list[dict]]:
+def launch(
+    world: int, cfg: dict, timeout: float = 240, main=rank_main, start_method: str = "spawn"
+) -> list[list[dict]]:
     """Run ``world`` ranks of ``main`` to completion (bounded), return each rank's epochs."""
     os.makedirs(cfg["out"], exist_ok=True)
     ctx = mp.start_processes(
-        main, args=(world, free_port(), cfg), nprocs=world, join=False, start_method="spawn"
+        main, args=(world, free_port(), cfg), nprocs=world, join=False, start_method=start_method
     )
     deadline = time.monotonic() + timeout
     try:
