@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 
+from asynccache.optimize.api import _PRELOAD, pool_context
 from tests.distributed.mix_ranks import build, mix_rank_main
 from tests.distributed.test_ddp import launch
 from tests.loader.mix_data import CHUNK, SIZES, WEIGHTS, upload_streams, write_streams
@@ -41,10 +42,14 @@ def test_mix_resumes_from_one_process_on_two_ranks(objstore, tmp_path):
     with open(cfg["state"], "wb") as f:
         pickle.dump(dl.state_dict(), f)
     del it
+    # ranks fork from a server that preloaded torch.distributed (not a spawn apiece)
+    ctx = pool_context()
+    ctx.set_forkserver_preload([*_PRELOAD, "tests.distributed.mix_ranks"])
     ranks = launch(
         2,
         dict(cfg, num_workers=0, cache_dir=str(tmp_path / "cache-ranks")),
         main=mix_rank_main,
+        start_method=ctx.get_start_method(),
     )
     batches = [[tuple(p) for p in b] for r in ranks for b in r[0]["batches"]]
     assert len({len(r[0]["batches"]) for r in ranks}) == 1, "every rank takes as many batches"
