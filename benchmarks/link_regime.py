@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--total-mb", type=int, default=256)
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--item-kb", type=int, default=100)
-    ap.add_argument("--links", nargs="+", default=["20:4", "50:8"])
+    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"])
     ap.add_argument("--part-mib", type=int, nargs="*", default=[64])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)

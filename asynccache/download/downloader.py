@@ -65,8 +65,9 @@ class Downloader:
           other processes wait on the chunk's download lock and then find it published.
         * At most ``settings.max_concurrency`` requests are open at once in this process;
           a free slot goes first to a chunk some caller is waiting for, then to prefetches,
-          and no new prefetch starts while a caller waits for a download in flight (it
-          would share that download's bandwidth: the time to the first batch).
+          and no new prefetch starts while a caller waits for a download in flight that
+          may still need a slot (it would share that download's bandwidth: the time to the
+          first batch); once all its parts receive bytes, spare slots may prefetch.
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
         * Every wait is bounded: per-attempt stall timeout (no byte for ``timeout_s``, or
           under ``min_bytes_per_s`` over that window), retry budget, lock-wait bound. A
@@ -255,7 +256,15 @@ class Downloader:
             async with self._gate.slot(functools.partial(self._wanted, name)):
                 clock.queued -= 1
                 queued = False
-                yield
+                clock.held += 1
+                if not clock.queued and self._wanted(name):
+                    # A waited download holds all the slots it asked for: spare ones
+                    # may prefetch (see _waited_needs_slots), once its parts are all out.
+                    asyncio.get_running_loop().call_soon(self._pump)
+                try:
+                    yield
+                finally:
+                    clock.held -= 1
         finally:
             if queued:
                 clock.queued -= 1
@@ -405,7 +414,7 @@ class Downloader:
     def _pump(self) -> None:
         if self._closed:
             return
-        if any(self._waiters.get(name) for name in self._inflight):
+        if self._waited_needs_slots():
             return  # a reader waits for a download: new prefetches would slow it down
         if self._deferred:
             return  # the node's prefetch room is full (see _defer)
@@ -414,6 +423,20 @@ class Downloader:
                 continue
             self._hinted.add(spec.name)
             self._start(spec)
+
+    def _waited_needs_slots(self) -> bool:
+        """True while a download some caller waits for may still need a concurrency slot.
+
+        Once every such download holds slots with none of its parts queueing for one,
+        the free slots are ones it cannot use: on a link whose connections are each
+        slow (the cloud), prefetches may fill them without taking its bandwidth.
+        """
+        for name in self._inflight:
+            if self._waiters.get(name):
+                clock = self._clocks.get(name)
+                if clock is None or clock.queued or not clock.held:
+                    return True
+        return False
 
     async def cancel_all(self) -> None:
         """Cancel every download in flight and forget the hint (on the I/O thread)."""

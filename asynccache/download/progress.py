@@ -24,16 +24,17 @@ class ProgressClock:
           touches the parent, so a downloader-wide clock moves with any of its downloads.
         * ``queued`` counts requests waiting for a concurrency slot: while it is above
           zero, the download moves when the downloader does (a slot frees only when
-          another request finishes).
+          another request finishes). ``held`` counts its requests holding a slot.
     """
 
-    __slots__ = ("bytes", "last", "parent", "queued", "quiet_until")
+    __slots__ = ("bytes", "held", "last", "parent", "queued", "quiet_until")
 
     def __init__(self, parent: ProgressClock | None = None) -> None:
         self.last = time.monotonic()
         self.quiet_until = 0.0
         self.bytes = 0
         self.queued = 0
+        self.held = 0
         self.parent = parent
 
     def moved(self, nbytes: int = 0) -> None:
