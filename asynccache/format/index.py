@@ -407,9 +407,11 @@ class Index:
         opener = self.__dict__.get("_opener")
         if opener is not None:
             return opener
+        # An index read from sidecar bytes (not mapped) keeps its identity as a copy.
+        ident = self.__dict__.get("_checksum") if self.mapped else None
         return (
             _rebuild,
-            (tuple(self.chunks), dict(self.config), self.writer, self.token, self.verified),
+            (tuple(self.chunks), dict(self.config), self.writer, self.token, self.verified, ident),
         )
 
     @classmethod
@@ -471,8 +473,12 @@ def _rebuild(
     writer: int | None,
     token: str | None,
     verified: bool,
+    identity: str | None = None,
 ) -> Index:
-    return Index(chunks, config, writer, token, verified=verified)
+    idx = Index(chunks, config, writer, token, verified=verified)
+    if identity is not None:
+        object.__setattr__(idx, "_checksum", identity)
+    return idx
 
 
 @dataclasses.dataclass(frozen=True)
