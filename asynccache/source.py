@@ -406,6 +406,12 @@ class DatasetSource:
         dl.hint([self.spec(c) for c in upcoming])
 
     @property
+    def plan_min_bytes(self) -> int:
+        """The cache bytes this process's epoch plan needs at least (0 without a plan)."""
+        follow = self._follow if self.planned else None
+        return follow.policy.min_bytes if follow is not None else 0
+
+    @property
     def store(self) -> ChunkStore | None:
         """The local chunk store of this process, once a chunk was asked for (else None)."""
         conn = self._live()

@@ -374,6 +374,26 @@ class MixedDataset(StreamingDataset):
                 units=st.units,
                 view=view,
             )
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        """The streams share one cache budget: it must hold all their plans' minimums at
+        once (each stream's own minimum was checked by its source)."""
+        remote = [st for st in self.streams if st.source.remote]
+        mins = [st.source.plan_min_bytes for st in remote]
+        stores = [st.source.store for st in remote]
+        budgets = [s.max_cache_bytes for s in stores if s is not None]
+        if not budgets or sum(mins) <= min(budgets):
+            return
+        mib = 1 << 20
+        each = ", ".join(f"{st.source.url}: {m}" for st, m in zip(remote, mins, strict=True))
+        raise ConfigError(
+            f"{self._name}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes = "
+            f"{min(budgets)} bytes, {min(budgets) / mib:.1f} MiB) is below the sum of the "
+            f"mixed streams' minimums, {sum(mins)} bytes ({each}): the streams share the "
+            "budget, and below it chunks would be downloaded twice an epoch. Raise it to at "
+            f"least {sum(mins)}, or read with fewer workers or a smaller shuffle_window"
+        )
 
     # -- resume ------------------------------------------------------------------------
     @property

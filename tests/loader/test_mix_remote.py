@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from asynccache import CacheDataLoader, StreamingDataset
+from asynccache import CacheDataLoader, ConfigError, StreamingDataset
 from asynccache.sampling.order import ReadOrder
 from asynccache.testing.faults import FaultProxy
 from asynccache.torch.mixed import MixedDataset, Stream
@@ -89,3 +89,28 @@ def test_subsample_downloads_only_its_chunks(remote, objstore, proxy, tmp_path):
     gets = chunk_gets(proxy)
     assert sorted(p.rsplit("/", 1)[1] for p in gets) == names and set(gets.values()) == {1}
     assert 3 <= ds.download_stats()["chunks_fetched"] <= 4
+
+
+def test_a_budget_below_the_sum_of_the_streams_minimums_is_refused(remote, objstore, tmp_path):
+    def mixed(budget: int | None, cache: str) -> MixedDataset:
+        streams = [
+            StreamingDataset(
+                u,
+                cache_dir=cache,
+                shuffle=True,
+                seed=s,
+                max_cache_bytes=budget,
+                storage_options=objstore.storage_options,
+            )
+            for s, u in enumerate(remote)
+        ]
+        return MixedDataset(streams, seed=1)
+
+    ds = mixed(None, str(tmp_path / "a"))
+    next(iter(ds))  # plans every stream
+    mins = [st.source.plan_min_bytes for st in ds.streams]
+    assert all(m > 0 for m in mins)
+    tight = mixed(sum(mins) - 1, str(tmp_path / "b"))  # each stream's own minimum fits
+    with pytest.raises(ConfigError, match="sum of the mixed streams' minimums"):
+        next(iter(tight))
+    assert next(iter(mixed(sum(mins), str(tmp_path / "c")))) is not None
