@@ -190,6 +190,14 @@ class MixedDataset(StreamingDataset):
         for i, e in enumerate(entries):
             if not isinstance(e.dataset, StreamingDataset) or isinstance(e.dataset, MixedDataset):
                 raise ConfigError(f"stream {i} of the mix is not a StreamingDataset")
+        seen: dict[int, int] = {}
+        for i, e in enumerate(entries):
+            j = seen.setdefault(id(e.dataset), i)
+            if j != i:  # one source can follow one plan: open the dataset twice instead
+                raise ConfigError(
+                    f"streams {j} and {i} of the mix are the same StreamingDataset object; "
+                    "give each stream its own StreamingDataset (the same URL may be opened twice)"
+                )
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if mode != "random" and (batch_size is None or batch_size < 1):
@@ -306,7 +314,7 @@ class MixedDataset(StreamingDataset):
         return super().__len__() * self.unit
 
     def __getitem__(self, key: int) -> Any:
-        raise TypeError("a MixedDataset is iterated, not indexed; index its streams instead")
+        raise ConfigError("a MixedDataset is iterated, not indexed; index its streams instead")
 
     # -- reading -----------------------------------------------------------------------
     def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:

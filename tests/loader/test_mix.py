@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from asynccache import CacheDataLoader, ConfigError, ResumeStateError, StreamingDataset
 from asynccache.sampling.order import ReadOrder
+from asynccache.torch.mixed import MixedDataset, Stream
 from tests.loader.mix_data import SIZES, mix, pairs, write_streams
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,6 +115,13 @@ def test_resume_refuses_another_mix_or_order(urls):
         CacheDataLoader(mix(urls, "stratified"), batch_size=8).load_state_dict(state)
     with pytest.raises(ConfigError, match="batch_size"):
         list(CacheDataLoader(mix(urls, "per_stream", batch_size=8), batch_size=4))
+    ds = StreamingDataset(urls[0])
+    with pytest.raises(ConfigError, match="same StreamingDataset"):
+        MixedDataset([ds, ds])
+    with pytest.raises(ConfigError, match="needs batch_size"):
+        MixedDataset([ds], mode="stratified")
+    with pytest.raises(ConfigError, match="one of weight"):
+        MixedDataset([Stream(ds, weight=1, choose=3)])
 
 
 def test_subsample_and_epoch_size_and_their_resume_state(urls):
