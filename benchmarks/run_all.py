@@ -37,6 +37,7 @@ BENCHMARKS: list[tuple[str, str, list[str]]] = [
     ("streaming_epoch", "streaming_epoch.py", ["--total-mb", "256", "--chunk-mb", "16"]),
     ("budget_epochs", "budget_epochs.py", ["--total-mb", "128", "--chunk-mb", "1", "--reps", "1"]),
     ("tokens", "tokens.py", ["--total-mb", "32", "--reps", "1", "--shuffle", "on,off"]),
+    ("mix_tokens", "mix_tokens.py", ["--total-mb", "24", "--chunk-mb", "2", "--reps", "1"]),
     ("index_scale", "index_scale.py", ["--sizes", "10000,100000", "--e2e-chunks", "2000"]),
     (
         "optimize_throughput",
