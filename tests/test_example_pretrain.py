@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(120)
 def test_pretrain_tokens_example_resumes_every_block_once(tmp_path, monkeypatch, capsys):
     argv = ["pretrain_tokens.py", "--out", str(tmp_path / "w"), "--workers", "0"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--docs", "30", "--steps", "2"])
+    monkeypatch.setattr(sys, "argv", [*argv, "--docs", "20", "--steps", "2"])
     runpy.run_path(os.path.join(ROOT, "examples", "pretrain_tokens.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "checkpoint after 2 batches" in out

@@ -11,7 +11,7 @@ from asynccache.writer import ChunkWriter, merge_dir
 
 SIZES = (300, 200, 100)
 WEIGHTS = (0.5, 0.3, 0.2)
-CHUNK = 10
+CHUNK = 20
 
 
 def write_streams(root: str, sizes: tuple[int, ...] = SIZES) -> list[str]:

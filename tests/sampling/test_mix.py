@@ -67,7 +67,7 @@ def test_shares_repeat_choose_and_weights():
     assert apportion(10, [7, 2, 1]) == [7, 2, 1] and sum(apportion(9, [1, 1, 1, 1])) == 9
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     counts=st.lists(st.integers(0, 300), min_size=1, max_size=4),
     mode=st.sampled_from(["random", "per_stream", "stratified"]),
