@@ -67,6 +67,8 @@ class Fault:
         times: how many matching requests it affects.
         path: only requests whose path contains this string match (None: all).
         methods: only these methods match.
+        range: only requests whose ``Range`` header contains this string match (None:
+            any, with or without one), e.g. ``"bytes=262144-"`` for one part of a chunk.
     """
 
     kind: FaultKind
@@ -80,10 +82,14 @@ class Fault:
     flip_at: int = 0
     flip_xor: int = 0xFF
     bytes_per_s: int = 1024
+    range: str | None = None
 
-    def matches(self, method: str, path: str) -> bool:
+    def matches(self, method: str, path: str, rng: str | None = None) -> bool:
         return (
-            self.times > 0 and method in self.methods and (self.path is None or self.path in path)
+            self.times > 0
+            and method in self.methods
+            and (self.path is None or self.path in path)
+            and (self.range is None or (rng is not None and self.range in rng))
         )
 
 
@@ -298,22 +304,23 @@ class FaultProxy:
         app.on_cleanup.append(cleanup)
         return app
 
-    def _take_fault(self, method: str, path: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str, rng: str | None) -> Fault | None:
         with self._mu:
             for fault in self._faults:
-                if fault.matches(method, path):
+                if fault.matches(method, path, rng):
                     fault.times -= 1
                     return dataclasses.replace(fault)
             return None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        fault = self._take_fault(request.method, request.path)
+        rng = request.headers.get("Range") or request.headers.get("x-ms-range")
+        fault = self._take_fault(request.method, request.path, rng)
         with self._mu:
             self._log.append(
                 RequestRecord(
                     request.method,
                     request.path,
-                    request.headers.get("Range") or request.headers.get("x-ms-range"),
+                    rng,
                     fault.kind if fault else None,
                     time.monotonic(),
                 )
