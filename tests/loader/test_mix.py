@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from asynccache import CacheDataLoader, ConfigError, ResumeStateError, StreamingDataset
 from asynccache.sampling.order import ReadOrder
+from asynccache.testing.resume import assert_resumes_exactly
 from asynccache.torch.mixed import MixedDataset, Stream
 from tests.loader.mix_data import SIZES, mix, pairs, write_streams
 
@@ -149,3 +150,20 @@ def test_subsample_and_epoch_size_and_their_resume_state(urls):
             CacheDataLoader(StreamingDataset(urls[2], **kw), batch_size=10).load_state_dict(state)
     with pytest.raises(ConfigError, match="subsample"):
         StreamingDataset(urls[2], subsample=1.5)
+
+
+def test_resume_conformance_of_a_mix_and_of_a_wrapped_subsample(urls):
+    def mixed():
+        return CacheDataLoader(mix(urls, "stratified", batch_size=8), batch_size=8)
+
+    n = len(mixed())
+    # (after the last batch the loader goes on with the next epoch: tested above)
+    assert_resumes_exactly(mixed, [0, 1, n // 2, n - 1])
+
+    def wrapped():
+        ds = StreamingDataset(urls[0], shuffle=True, seed=4, subsample=0.2, epoch_size=130)
+        return CacheDataLoader(ds, batch_size=16, drop_last=True)
+
+    n = len(wrapped())
+    assert n == 130 // 16
+    assert_resumes_exactly(wrapped, [0, 3, n - 1])
