@@ -28,6 +28,11 @@ BENCHMARKS: list[tuple[str, str, list[str]]] = [
         ["--objects", "4", "--mib", "32", "--concurrency", "1", "8", "--trials", "3"],
     ),
     ("download_cold", "download_cold.py", ["--total-mib", "128", "--chunk-mib", "8", "64"]),
+    (
+        "link_regime",
+        "link_regime.py",
+        ["--total-mb", "128", "--links", "20:8", "--reps", "1", "--part-mib", "--skip-epoch"],
+    ),
     ("fetcher_overlap", "fetcher_overlap.py", ["--n", "30"]),
     (
         "fetcher_overlap_streaming",
