@@ -95,29 +95,42 @@ class PatternNames:
         got = _FIELD.split(name)
         if tuple(got[0::2]) != self.parts or any(str(int(d)) != d for d in got[1::2]):
             return None
-        want = [int(d) for d in got[1::2]]
-        order, keys = self._lookup()
-        key = _combine(want, self.fields) if keys is not None else None
-        if keys is not None and key is not None:
-            i = int(np.searchsorted(keys, key))
-            if i < len(keys) and keys[i] == key:
-                return int(order[i])
-            return None
-        hits = np.ones(len(self.fields[0]), dtype=bool)
-        for f, v in zip(self.fields, want, strict=True):
-            hits &= f == v
-        found = np.flatnonzero(hits)
-        return int(found[0]) if len(found) else None
+        if not self.fields:
+            return 0 if len(got) == 1 else None
+        uniq, order, keys = self._lookup()
+        if keys is None:  # too many distinct numbers for one int64 rank: a table
+            table = self.__dict__.get("_map")
+            if table is None:
+                rows = zip(*(f.tolist() for f in self.fields), strict=True)
+                table = {r: c for c, r in enumerate(rows)}
+                object.__setattr__(self, "_map", table)
+            return table.get(tuple(int(d) for d in got[1::2]))
+        key = 0
+        for u, d in zip(uniq, got[1::2], strict=True):
+            j = int(np.searchsorted(u, int(d)))
+            if j >= len(u) or u[j] != int(d):
+                return None
+            key = key * len(u) + j
+        i = int(np.searchsorted(keys, key))
+        return int(order[i]) if i < len(keys) and keys[i] == key else None
 
-    def _lookup(self) -> tuple[np.ndarray, np.ndarray | None]:
+    def _lookup(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+        """Each number's distinct values, and the chunks sorted by their names' rank
+        (mixed radix over those values): built on the first lookup, arrays only."""
         cached = self.__dict__.get("_lk")
         if cached is None:
-            keys = _combined(self.fields)
-            if keys is None:
-                cached = (np.empty(0, np.int64), None)
+            uniq, keys = [], np.zeros(len(self.fields[0]), dtype=np.int64)
+            radix = 1
+            for f in self.fields:
+                u, inv = np.unique(f, return_inverse=True)
+                keys = keys * len(u) + inv
+                uniq.append(u)
+                radix *= len(u)
+            if radix >= 1 << 62:
+                cached = (uniq, keys[:0], None)
             else:
                 order = np.argsort(keys, kind="stable")
-                cached = (order, keys[order])
+                cached = (uniq, order, keys[order])
             object.__setattr__(self, "_lk", cached)
         return cached
 
@@ -137,14 +150,6 @@ def _combined(fields: Sequence[np.ndarray]) -> np.ndarray | None:
     if len(fields) == 2 and not len(fields[0]):
         return np.empty(0, np.int64)
     return None
-
-
-def _combine(values: list[int], fields: Sequence[np.ndarray]) -> int | None:
-    if len(values) == 1:
-        return values[0]
-    if any(v >= 1 << 31 for v in values):
-        return None
-    return (values[0] << 31) | values[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -169,3 +169,12 @@ def test_written_dataset_is_version_2_and_old_sidecars_go(tmp_path) -> None:
     # the mapping is read-only: nothing can scribble on the node's shared pages
     with pytest.raises(ValueError):
         again.items_per_chunk[0] = 5
+
+
+def test_names_with_several_numbers_are_looked_up_by_array() -> None:
+    names = [f"chunk-51e7a-{s}-{n}.bin" for s in range(3) for n in range(40)]  # optimize's
+    c = from_lists([1] * 120, [1] * 120, names, [((i, 1),) for i in range(120)], list(range(120)))
+    assert c.names.parts == ("chunk-", "e", "a-", "-", ".bin")  # type: ignore[union-attr]
+    assert [c.names.number(n) for n in names] == list(range(120))
+    assert c.names.number("chunk-51e7a-3-0.bin") is None
+    assert c.names.number("chunk-51e7a-0-07.bin") is None  # not written that way
