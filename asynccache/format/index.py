@@ -352,6 +352,8 @@ class Index:
         The sidecar is written first; ``index.json`` names it and is the commit.
         """
         c = self.columns
+        if not self.mapped and len({e.filename for e in self.chunks}) != len(self.chunks):
+            raise BadIndexError("index: a chunk filename appears twice")
         if c.checksums is None:
             where = "index"
             c = dataclasses.replace(
