@@ -14,9 +14,9 @@ process has it mapped.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
-import weakref
 from typing import Any
 
 from .cache.locks import try_lock
@@ -43,20 +43,21 @@ def map_sidecar(meta: IndexMeta, path: str) -> Index:
         raise BadIndexError(
             f"{path}: the column sidecar that {meta.where} names is missing"
         ) from exc
-    # The lock is held on a descriptor of its own, closed with the index (or at once if
-    # the sidecar is refused, so that a damaged cached copy can be removed).
-    hold = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    # The mapping's own descriptor (a duplicate of fd: the same open file) keeps the lock
+    # for as long as the mapping lives; a refused sidecar is unlocked at once, so that a
+    # damaged cached copy can be removed.
+    locked = False
     try:
-        try_lock(hold, exclusive=False)
+        locked = try_lock(fd, exclusive=False)
         size = os.fstat(fd).st_size
         buf: Any = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
         idx = meta.open(buf, path)
     except BaseException:
-        os.close(hold)
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_UN)
         raise
     finally:
         os.close(fd)
-    weakref.finalize(idx, os.close, hold)
     object.__setattr__(idx, "_opener", (_reopen, (meta, path)))
     return idx
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import pytest
@@ -38,7 +39,9 @@ def chunk_bytes(root) -> int:
 def test_opening_reads_only_the_index(written, http_origin, tmp_path):
     server = http_origin(written)
     ds = StreamingDataset(server.url, cache_dir=tmp_path / "c")
-    assert [r.path.rsplit("/", 1)[-1] for r in server.requests] == ["index.json"]
+    # index.json and its column sidecar (index version 2), no chunk
+    sidecar = json.loads((written / "index.json").read_text())["columns"]["filename"]
+    assert [r.path.rsplit("/", 1)[-1] for r in server.requests] == ["index.json", sidecar]
     assert len(ds) == N and chunk_bytes(tmp_path / "c") == 0
     first = next(iter(ds))
     assert_same(DictDataset(N)[0], first)
