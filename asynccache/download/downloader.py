@@ -481,13 +481,21 @@ class _Hashed:
         Only for our own temporary file, whose size nobody else changes.
         """
         if self.upto < size:
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    for pos in range(self.upto, size, _HASH_BLOCK):
-                        self.hasher.update(view[pos : min(pos + _HASH_BLOCK, size)])
-                finally:
-                    view.release()
+            try:
+                mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            except (OSError, ValueError):  # a file system that cannot map: read instead
+                mapped = None
+            if mapped is None:
+                for pos in range(self.upto, size, _HASH_BLOCK):
+                    self.hasher.update(os.pread(fd, min(_HASH_BLOCK, size - pos), pos))
+            else:
+                with mapped:
+                    view = memoryview(mapped)
+                    try:
+                        for pos in range(self.upto, size, _HASH_BLOCK):
+                            self.hasher.update(view[pos : min(pos + _HASH_BLOCK, size)])
+                    finally:
+                        view.release()
             self.upto = size
         return self.hasher.hexdigest()
 
