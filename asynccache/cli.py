@@ -23,9 +23,10 @@ from typing import Any
 from ._version import __version__
 from .errors import AsyncCacheError, ConfigError, DataError, ObjectNotFoundError
 from .format import INDEX_NAME
+from .format.columns import sidecar_name
 from .format.index import VERSION as INDEX_VERSION
 from .format.index import VERSION_COLUMNS as INDEX_VERSION_COLUMNS
-from .indexfile import read_path
+from .indexfile import read_path, write_dir
 
 __all__ = ["main"]
 
@@ -124,6 +125,29 @@ def _verify(args: argparse.Namespace) -> int:
         f"{decoded} of {index.total_items} items decoded"
     )
     return 1 if bad else 0
+
+
+def _reindex(args: argparse.Namespace) -> int:
+    from .source import is_remote, local_dir
+
+    if is_remote(args.dir):
+        raise ConfigError(
+            f"reindex rewrites the index of a local dataset directory, got {args.dir!r}; "
+            "reindex the local copy, then upload it"
+        )
+    root = local_dir(args.dir)
+    path = _require_index(root)
+    index = read_path(path)
+    if index.mapped:
+        print(f"{path}: already version {INDEX_VERSION_COLUMNS} ({len(index.chunks)} chunks)")
+        return 0
+    new = write_dir(root, index)
+    side = sidecar_name(new.checksum.split(":", 1)[1])
+    print(
+        f"{path}: version {INDEX_VERSION} -> {INDEX_VERSION_COLUMNS}, {len(new.chunks)} chunks, "
+        f"columns in {side}"
+    )
+    return 0
 
 
 def _upload(args: argparse.Namespace) -> int:
@@ -361,6 +385,14 @@ def _parser() -> argparse.ArgumentParser:
         help="decode pickled leaves (only for data you trust: unpickling can run code)",
     )
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser(
+        "reindex",
+        parents=[common],
+        help="rewrite a local dataset's version-1 index.json as version 2 (mapped columns)",
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=_reindex)
 
     p = sub.add_parser(
         "upload", parents=[common, storage], help="upload a dataset; index.json last"

@@ -169,3 +169,19 @@ def test_sidecar_damaged_in_the_cache_is_fetched_again(both, tmp_path, http_orig
         assert src.index.total_items == N
         assert proxy.count("GET", ".cols") == 2  # the damaged copy was replaced
         src.close()
+
+
+def test_reindex_turns_a_version_1_dataset_into_version_2(both, tmp_path, capsys) -> None:
+    from asynccache.cli import main
+
+    d = tmp_path / "ds"
+    shutil.copytree(both[0], d)
+    before = read_dir(str(d))
+    assert not before.mapped
+    assert main(["reindex", str(d)]) == 0
+    assert "version 1 -> 2" in capsys.readouterr().out
+    after = read_dir(str(d))
+    assert after.mapped and list(after.chunks) == list(before.chunks)
+    assert main(["reindex", str(d)]) == 0
+    assert "already version 2" in capsys.readouterr().out
+    assert main(["verify", str(d)]) == 0  # every chunk still matches the new index
