@@ -31,11 +31,13 @@ from .errors import ConfigError
 from .format import Index
 from .sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from .sampling.partition import Interval, Segment
-from .sampling.runs import ReaderRuns, reader_runs, reader_segments
+from .sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
 
 __all__ = ["EpochSpec", "PlanCache", "ReadPlan", "View", "min_budget_message", "union_runs"]
 
 _KEEP_PLANS = 4
+#: Epochs of more positions are planned by windows, not by a key per position.
+EXACT_UP_TO = 1 << 20
 
 
 class View(Protocol):
@@ -113,9 +115,16 @@ class EpochSpec:
 
 
 class PlanCache:
-    """The node's :class:`EpochPlan` of a few ``(epoch, variant)``, computed on demand."""
+    """The node's :class:`EpochPlan` of a few ``(epoch, variant)``, computed on demand.
+
+    An epoch of up to :data:`EXACT_UP_TO` positions is planned from the key at each
+    position (:func:`~asynccache.sampling.runs.reader_runs`); a longer one from the
+    order's windows (:func:`~asynccache.sampling.runs.window_runs`), whose shuffled runs
+    span their whole window: a few chunks more are kept, the cost stays flat.
+    """
 
     def __init__(self, index: Index, spec: EpochSpec) -> None:
+        self.exact_up_to = EXACT_UP_TO  # positions; tests lower it to plan by windows
         self.index = index
         self.spec = spec
         self._plans: collections.OrderedDict[tuple[int, int], EpochPlan] = collections.OrderedDict()
@@ -163,6 +172,7 @@ class PlanCache:
         s, index = self.spec, self.index
         order = self._order(epoch)
         project = s.view.project(epoch) if s.view is not None else None
+        by_windows = self._by_windows(order)
         streams = []
         for segs in reader_segments(
             remaining,
@@ -174,12 +184,28 @@ class PlanCache:
         ):
             if project is not None:
                 segs = project(segs)
-            runs = reader_runs(segs, order.keys, order.chunks_of, gap=order.gap)
             last = getattr(order.units, "last_chunks", None)
+            if by_windows:
+                runs = window_runs(segs, order.spans, gap=order.gap)
+            else:
+                runs = reader_runs(segs, order.keys, order.chunks_of, gap=order.gap)
             if last is not None:  # a unit (a token block) may run into the next chunk
                 runs = union_runs(runs, reader_runs(segs, order.keys, last, gap=order.gap))
             streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
         return EpochPlan(streams, index.bytes_per_chunk.tolist())
+
+    def _by_windows(self, order: ReadOrder) -> bool:
+        """Plan from the order's windows (:func:`window_runs`), not from a key per position:
+        for an epoch of more than :data:`EXACT_UP_TO` positions of items whose chunks the
+        windows name (shuffled, subsampled, or a plain order of a sequential index)."""
+        if order.total <= self.exact_up_to:
+            return False
+        if getattr(order.units, "last_chunks", None) is not None:
+            return False  # token blocks run into the next chunk: each is located
+        spec = order.spec
+        sampled = spec.subsample is not None and spec.subsample < 1
+        sequential = getattr(getattr(self.index, "columns", None), "runs", 1) is None
+        return spec.shuffle or sampled or sequential
 
 
 def union_runs(a: ReaderRuns, b: ReaderRuns) -> ReaderRuns:

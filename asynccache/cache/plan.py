@@ -63,6 +63,7 @@ class EpochPlan:
     def __init__(self, streams: Sequence[Stream], sizes: Sequence[int]) -> None:
         self.streams = list(streams)
         self.sizes = list(sizes)
+        self._size_arr = np.asarray(self.sizes, dtype=np.int64)
         n = len(self.sizes)
         runs = np.zeros(n, dtype=np.int64)
         for st in self.streams:
@@ -75,16 +76,14 @@ class EpochPlan:
 
     def _peak(self, s: Stream) -> int:
         """The most bytes of this reader's runs that overlap at one position."""
-        runs = list(zip(s.chunks.tolist(), s.starts.tolist(), s.ends.tolist(), strict=True))
-        events = sorted(
-            [(a, 1, self.sizes[c]) for c, a, _ in runs]
-            + [(b, 0, -self.sizes[c]) for c, _, b in runs]
-        )
-        held = peak = 0
-        for _, _, delta in events:  # at one position, ends (0) come before starts (1)
-            held += delta
-            peak = max(peak, held)
-        return peak
+        if not len(s.chunks):
+            return 0
+        size = self._size_arr[s.chunks]
+        at = np.concatenate([s.starts, s.ends])
+        kind = np.concatenate([np.ones(len(size), np.int8), np.zeros(len(size), np.int8)])
+        delta = np.concatenate([size, -size])
+        order = np.lexsort((kind, at))  # at one position, ends (0) come before starts (1)
+        return int(max(0, np.cumsum(delta[order]).max()))
 
     def first_starts(self, reader: int) -> np.ndarray:
         """Per chunk, where ``reader`` first reads it (inf: never)."""

@@ -22,6 +22,7 @@ requested range of positions touches, so memory is bounded by a window, not by N
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,29 @@ _SUBSET_STREAM = 0x5B5A  # the rng stream of the subsample (not an epoch's)
 def _rng(seed: int, epoch: int, stream: int, lap: int = 0) -> np.random.Generator:
     words = [seed & (2**63 - 1), epoch, stream, _SEED_MIX & 0xFFFF]
     return np.random.default_rng([*words, lap] if lap else words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spans:
+    """Windows of an order: window ``k`` covers positions ``[lo[k], hi[k])`` and its
+    chunks are the next ``counts[k]`` entries of ``chunks``."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    chunks: np.ndarray
+    counts: np.ndarray
+
+    @staticmethod
+    def join(parts: Sequence[Spans]) -> Spans:
+        if not parts:
+            empty = np.empty(0, dtype=np.int64)
+            return Spans(empty, empty, empty, empty)
+        return Spans(
+            np.concatenate([p.lo for p in parts]),
+            np.concatenate([p.hi for p in parts]),
+            np.concatenate([p.chunks for p in parts]),
+            np.concatenate([p.counts for p in parts]),
+        )
 
 
 class EpochOrder:
@@ -71,6 +95,7 @@ class EpochOrder:
         self._seed, self._epoch, self._lap = seed, epoch, lap
         self._cache: tuple[int, np.ndarray] | None = None
         self._plain = chunks is None and not shuffle  # keys are the positions
+        self._sizes = sizes
         if self._plain:
             return
         if shuffle:
@@ -91,6 +116,36 @@ class EpochOrder:
 
     def __len__(self) -> int:
         return self.total
+
+    def spans(self, start: int, end: int) -> Spans:
+        """The windows that positions ``[start, end)`` of S touch (see :class:`Spans`):
+        positions ``[lo, hi)`` of a window read units of its chunks only (each of them in
+        every part of it, when shuffled). Arrays, not a key per position: a plan over a
+        million chunks stays flat. A plain order must have its keys in chunk order (as a
+        sequential index does): each chunk is then one window."""
+        if not 0 <= start <= end <= self.total:
+            raise IndexError(f"positions [{start}, {end}) outside an epoch of {self.total}")
+        starts = self._plain_starts if self._plain else self._starts
+        g0 = int(np.searchsorted(starts, start, side="right")) - 1
+        g1 = int(np.searchsorted(starts, end, side="left"))
+        g = np.arange(max(g0, 0), max(g1, g0, 0), dtype=np.int64)
+        lo = np.maximum(starts[g], start)
+        hi = np.minimum(starts[g + 1], end)
+        keep = hi > lo
+        g, lo, hi = g[keep], lo[keep], hi[keep]
+        if self._plain:
+            return Spans(lo, hi, g, np.ones(len(g), dtype=np.int64))
+        step, taking = self._step, self._taking
+        at = g[:, None] * step + np.arange(step, dtype=np.int64)[None, :]
+        real = at < len(taking)
+        real[real] = self._sizes[taking[at[real]]] > 0
+        return Spans(lo, hi, taking[at[real]], real.sum(axis=1))
+
+    @functools.cached_property
+    def _plain_starts(self) -> np.ndarray:
+        starts = np.zeros(len(self._sizes) + 1, dtype=np.int64)
+        np.cumsum(self._sizes, out=starts[1:])
+        return starts
 
     def _window(self, g: int) -> np.ndarray:
         if self._cache is not None and self._cache[0] == g:
@@ -269,6 +324,21 @@ class ReadOrder:
     def chunks_of(self, keys: np.ndarray) -> np.ndarray:
         """The chunk each of ``keys`` starts in."""
         return self.units.chunks_of(keys)
+
+    def spans(self, start: int, end: int) -> Spans:
+        """:meth:`EpochOrder.spans` over the laps of the epoch (positions of the epoch)."""
+        if not 0 <= start <= end <= self.total:
+            raise IndexError(f"positions [{start}, {end}) outside an epoch of {self.total}")
+        parts = []
+        pos = start
+        while pos < end:
+            lap, off = divmod(pos, self.lap_size)
+            take = min(end - pos, self.lap_size - off)
+            got = self._lap(lap).spans(off, off + take)
+            base = pos - off
+            parts.append(Spans(got.lo + base, got.hi + base, got.chunks, got.counts))
+            pos += take
+        return Spans.join(parts)
 
     @property
     def gap(self) -> int:

@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .order import Spans
 from .partition import Interval, Segment, plan, received_per_worker
 
-__all__ = ["ReaderRuns", "reader_runs", "reader_segments"]
+__all__ = ["ReaderRuns", "reader_runs", "reader_segments", "window_runs"]
 
 _BLOCK = 65536  # positions materialised at a time
 
@@ -107,3 +108,54 @@ def reader_runs(
     starts, ends, run_chunks = t[first], t[last] + 1, c[first]
     by_start = np.argsort(starts, kind="stable")
     return ReaderRuns(run_chunks[by_start], starts[by_start], ends[by_start], n)
+
+
+def window_runs(
+    segments: Sequence[Segment],
+    spans: Callable[[int, int], Spans],
+    *,
+    gap: int = 1,
+) -> ReaderRuns:
+    """The runs of a reader from the windows of the order, without a key per position.
+
+    ``spans(a, b)`` gives the windows positions ``[a, b)`` touch
+    (:meth:`.order.EpochOrder.spans`). Each chunk of a window is taken to be read from
+    the window's first position in the stretch to its last: exact without shuffle (a
+    window is one chunk), and with shuffle up to the window's stretch longer than
+    :func:`reader_runs` (whose runs start at a chunk's first item there and end at its
+    last; and a stretch that ends inside a window takes all of its chunks, even one whose
+    items there fall outside the stretch). So the plan it gives keeps a little more,
+    never less. Cost: arrays of one entry per chunk of each window a segment touches.
+    """
+    chunk_parts: list[np.ndarray] = []
+    start_parts: list[np.ndarray] = []
+    end_parts: list[np.ndarray] = []
+    t = 0
+    for seg in segments:
+        got = spans(seg.start, seg.end)
+        chunk_parts.append(np.asarray(got.chunks, dtype=np.int64))
+        start_parts.append(np.repeat(got.lo + (t - seg.start), got.counts))
+        end_parts.append(np.repeat(got.hi + (t - seg.start), got.counts))
+        t += len(seg)
+    c = np.concatenate(chunk_parts) if chunk_parts else np.empty(0, dtype=np.int64)
+    if not len(c):
+        empty = np.empty(0, dtype=np.int64)
+        return ReaderRuns(empty, empty, empty, t)
+    s = np.concatenate(start_parts).astype(np.int64)
+    e = np.concatenate(end_parts).astype(np.int64)
+    order = np.lexsort((s, c))
+    c, s, e = c[order], s[order], e[order]
+    # One run per chunk while the next stretch starts within ``gap`` of the last read
+    # (position end - 1) of the run so far. The running maximum of the ends within each
+    # chunk (shifted by chunk, so one accumulate serves every chunk) is where the run so
+    # far ends: earlier runs of the chunk end before it.
+    n = len(c)
+    big = int(e.max()) + 1
+    run_end = np.maximum.accumulate(e + c * big) - c * big
+    new = np.ones(n, dtype=bool)
+    new[1:] = (c[1:] != c[:-1]) | (s[1:] - (run_end[:-1] - 1) > max(1, gap))
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], n) - 1
+    starts, ends, chunks_out = s[first], run_end[last], c[first]
+    by_start = np.argsort(starts, kind="stable")
+    return ReaderRuns(chunks_out[by_start], starts[by_start], ends[by_start], t)
