@@ -11,9 +11,9 @@ from asynccache.config import as_size, launch_env, parse_size
 
 
 def test_defaults_and_precedence():
-    env = {"ASYNCCACHE_MAX_CONCURRENCY": "3", "ASYNCCACHE_PART_BYTES": "8MiB"}
+    env = {"ASYNCCACHE_MAX_CONCURRENCY": "3", "ASYNCCACHE_PART_BYTES": "24MiB"}
     s = Settings.from_env(env)
-    assert s.max_concurrency == 3 and s.part_bytes == 8 << 20
+    assert s.max_concurrency == 3 and s.part_bytes == 24 << 20 != Settings().part_bytes
     assert Settings.from_env(env, max_concurrency=5).max_concurrency == 5, "keyword wins"
     assert Settings.from_env(env, max_concurrency=None).max_concurrency == 3, "None = unset"
     assert Settings.from_env({}).retries == Settings().retries

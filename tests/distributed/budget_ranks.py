@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import urllib.error
 import urllib.request
@@ -23,6 +24,9 @@ def mark(proxy_url: str, name: str) -> None:
 def budget_rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     """For each (shuffle, budget): two epochs over a fresh cache dir shared by the ranks;
     after each, once every rank is done, rank 0 marks the proxy log."""
+    if multiprocessing.get_start_method() == "forkserver":
+        # its DataLoader workers come from the rank's own fork server: torch imported once
+        multiprocessing.set_forkserver_preload(["tests.distributed.budget_ranks"])
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 from typing import Any
@@ -14,6 +15,10 @@ from asynccache import CacheDataLoader, StreamingDataset
 
 def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     """Stream ``cfg["url"]``; write what this rank received per epoch to ``cfg["out"]``."""
+    if multiprocessing.get_start_method() == "forkserver":
+        # A rank started by a fork server starts its DataLoader workers the same way:
+        # from its own fork server, which then imports torch once, not once per worker.
+        multiprocessing.set_forkserver_preload(["tests.distributed.ranks"])
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -11,6 +11,7 @@ import uuid
 import pytest
 import torch.multiprocessing as mp
 
+from asynccache.optimize.api import _PRELOAD, pool_context
 from asynccache.testing.faults import FaultProxy
 from tests.budget_data import chunk_gets, fetched_bytes, write_remote
 from tests.distributed.budget_ranks import budget_rank_main
@@ -41,12 +42,14 @@ def test_two_ranks_fetch_each_chunk_once_per_cold_epoch(objstore, tmp_path):
             "runs": runs,
         }
         os.makedirs(cfg["out"])
+        # ranks forked from optimize's fork server (torch.distributed preloaded)
+        pool_context().set_forkserver_preload([*_PRELOAD, "tests.distributed.budget_ranks"])
         ctx = mp.start_processes(
             budget_rank_main,
             args=(WORLD, free_port(), cfg),
             nprocs=WORLD,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + 360
         try:
