@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
-from .gate import PriorityGate
+from .gate import shared_gate
 from .parts import fetch_range, split_parts
 from .progress import ProgressClock
 from .retry import RetryPolicy
@@ -109,7 +109,7 @@ class Downloader:
         self._policy = RetryPolicy(
             settings.retries, settings.backoff_base_s, settings.backoff_max_s
         )
-        self._gate = PriorityGate(settings.max_concurrency)
+        self._gate = shared_gate(self._lt, settings.max_concurrency)  # one per process
         self._verify_local = verify_local
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 
-__all__ = ["PriorityGate"]
+from .. import forksafe
+
+__all__ = ["PriorityGate", "shared_gate"]
 
 
 class PriorityGate:
@@ -62,3 +66,39 @@ class PriorityGate:
 
     def __repr__(self) -> str:
         return f"<PriorityGate free={self._free} waiting={len(self._waiters)}>"
+
+
+class _SharedGates:
+    """The gates of this process, one per I/O loop thread. Reset in a forked child (the
+    parent's holders do not exist there, and its mutex may have been held at the fork)."""
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.gates: weakref.WeakKeyDictionary[object, dict[int, PriorityGate]] = (
+            weakref.WeakKeyDictionary()
+        )
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self.mu = threading.Lock()
+        self.gates = weakref.WeakKeyDictionary()
+
+
+_SHARED = _SharedGates()
+
+
+def shared_gate(loop_owner: object, limit: int) -> PriorityGate:
+    """The one gate of every downloader whose requests run on ``loop_owner`` (the
+    process's I/O loop thread): ``ASYNCCACHE_MAX_CONCURRENCY`` bounds the downloads in
+    flight per process, however many datasets (a mix's streams) it reads. Downloaders
+    given another limit (a dataset opened with its own ``max_concurrency``) share a gate
+    of that limit instead.
+    """
+    with _SHARED.mu:
+        gates = _SHARED.gates.get(loop_owner)
+        if gates is None:
+            gates = _SHARED.gates[loop_owner] = {}
+        gate = gates.get(limit)
+        if gate is None:
+            gate = gates[limit] = PriorityGate(limit)
+        return gate

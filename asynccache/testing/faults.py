@@ -196,6 +196,7 @@ class FaultProxy:
         self._mu = threading.Lock()
         self._faults: list[Fault] = []
         self._log: list[RequestRecord] = []
+        self._open = self._peak_open = 0  # requests being answered now, and the most
         self._fired: collections.Counter[FaultKind] = collections.Counter()
         self._link_fired: collections.Counter[LinkKnob] = collections.Counter()
         self.latency_s = 0.0
@@ -312,7 +313,23 @@ class FaultProxy:
                     return dataclasses.replace(fault)
             return None
 
+    @property
+    def peak_open(self) -> int:
+        """The most requests the proxy was answering at once (since it started)."""
+        with self._mu:
+            return self._peak_open
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        with self._mu:
+            self._open += 1
+            self._peak_open = max(self._peak_open, self._open)
+        try:
+            return await self._handle_counted(request)
+        finally:
+            with self._mu:
+                self._open -= 1
+
+    async def _handle_counted(self, request: web.Request) -> web.StreamResponse:
         rng = request.headers.get("Range") or request.headers.get("x-ms-range")
         fault = self._take_fault(request.method, request.path, rng)
         with self._mu:

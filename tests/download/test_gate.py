@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
-from asynccache.download.gate import PriorityGate
+from asynccache.download.gate import PriorityGate, shared_gate
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -73,3 +74,27 @@ async def test_cancelled_waiters_lose_no_slot():
     async with asyncio.timeout(1):
         async with gate.slot():  # the slot came back
             pass
+
+
+class Owner:
+    """Stands for a loop thread (held weakly by the gates)."""
+
+
+def test_downloaders_of_one_loop_share_a_gate_and_a_forked_child_gets_its_own():
+    owner, other = Owner(), Owner()
+    gate = shared_gate(owner, 4)
+    assert shared_gate(owner, 4) is gate, "one limit per process and loop"
+    assert shared_gate(owner, 2) is not gate, "a dataset with its own limit has its own gate"
+    assert shared_gate(other, 4) is not gate, "another loop thread, another gate"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's gates (and their holders) are not its own
+        os.close(r)
+        os.write(w, b"1" if shared_gate(owner, 4) is not gate else b"0")
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1", "a forked child starts with fresh gates"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from asynccache import CacheDataLoader, ConfigError, StreamingDataset
+from asynccache.config import Settings
 from asynccache.sampling.order import ReadOrder
 from asynccache.testing.faults import FaultProxy
 from asynccache.torch.mixed import MixedDataset, Stream
@@ -114,3 +115,26 @@ def test_a_budget_below_the_sum_of_the_streams_minimums_is_refused(remote, objst
     with pytest.raises(ConfigError, match="sum of the mixed streams' minimums"):
         next(iter(tight))
     assert next(iter(mixed(sum(mins), str(tmp_path / "c")))) is not None
+
+
+def test_a_mix_shares_one_concurrency_limit_per_process(remote, objstore, proxy, tmp_path):
+    # ASYNCCACHE_MAX_CONCURRENCY bounds the downloads in flight per process: three streams
+    # read in one process with a limit of 1 never have two chunk GETs open at once. The
+    # proxy's first-byte latency keeps each GET open long enough for overlaps to show.
+    proxy.set_link(latency_s=0.05)
+    settings = Settings.from_env(max_concurrency=1, progress=False)
+    opts = dict(objstore.storage_options, endpoint_url=proxy.url)
+    streams = [
+        Stream(
+            StreamingDataset(
+                u, cache_dir=str(tmp_path / "c"), storage_options=opts, settings=settings
+            ),
+            weight=w,
+        )
+        for u, w in zip(remote, WEIGHTS, strict=True)
+    ]
+    ds = MixedDataset(streams, mode="random", batch_size=8, seed=2)
+    opened = proxy.peak_open  # the streams' index files, fetched as each opened
+    assert sum(1 for _ in ds) == sum(ds.stream_counts)
+    assert proxy.link_fired("latency") > len(SIZES), "the latency knob slowed the chunk GETs"
+    assert proxy.peak_open == 1, (opened, proxy.peak_open)
