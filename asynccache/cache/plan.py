@@ -207,6 +207,17 @@ class PlanPolicy:
         keyed.sort()
         return [name for *_, name in keyed]
 
+    def spare(self, own: Iterable[str]) -> list[str]:
+        """Of ``own`` (this dataset's chunk names), those no reader needs again this epoch
+        (nor holds): what a prefetch may push out."""
+        t = self._table()
+        out = []
+        for name in own:
+            ci = self.index.get(name)
+            if ci is None or not (t.held[ci] or t.this_epoch[ci] or t.current[ci]):
+                out.append(name)
+        return out
+
     def fits_whole(self, budget: int) -> bool:
         """The whole dataset fits in the prefetch room: no prefetch needs asking."""
         return self.dataset_bytes <= budget - self.min_bytes

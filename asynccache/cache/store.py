@@ -277,7 +277,7 @@ class ChunkStore:
         ):
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
         else:
-            used, _ = self._evict_locked(size, room)
+            used, _ = self._evict_locked(size, room, ahead=ahead)
             count, at = 0, now
         # Recorded before the file exists: a crash in between leaves an over-estimate.
         usage.write_ledger(fd, used + size, count, at)
@@ -318,27 +318,44 @@ class ChunkStore:
         usage.write_ledger(fd, used, 0)
         return removed
 
-    def _evict_locked(self, incoming: int, room: int) -> tuple[int, int]:
+    def _evict_locked(self, incoming: int, room: int, ahead: bool = False) -> tuple[int, int]:
         """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed).
 
         The budget is ``max_cache_bytes``, or less when the filesystem can take only
-        ``room`` more bytes. The caller holds the eviction lock.
+        ``room`` more bytes. The caller holds the eviction lock. ``ahead`` (a prefetch,
+        under a plan): only chunks no reader needs again this epoch may make room for it;
+        when they are not enough, :class:`.plan.Deferred` (what was evicted stays evicted:
+        nobody needed it this epoch).
         """
         used, entries = usage.scan(self.cache_dir, self.root)
         budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
         removed = 0
-        if self.policy is not None and used + incoming > budget:
-            order = self._plan_order(self.policy, candidates)
+        policy = self.policy
+        spare: frozenset[str] | None = None
+        if policy is not None and used + incoming > budget:
+            order = self._plan_order(policy, candidates)
+            if ahead:
+                root = str(self.root)
+                own = [os.path.basename(e.key) for e in order if os.path.dirname(e.key) == root]
+                spare = frozenset(policy.spare(own))
         else:
             order = select_victims(candidates, used=used, budget=budget, incoming=incoming)
         for victim in order:
             if used + incoming - removed <= budget:
                 break
+            if (
+                spare is not None
+                and os.path.dirname(victim.key) == str(self.root)
+                and os.path.basename(victim.key) not in spare
+            ):
+                continue  # still to be read this epoch: a prefetch never forces it out
             if _remove_if_unlocked(victim.key):
                 removed += victim.size
                 self.evicted += 1
+        if spare is not None and used + incoming - removed > budget:
+            raise Deferred("no room for a prefetch without evicting a chunk still to be read")
         return used - removed, removed
 
     def _plan_order(self, policy: PlanPolicy, candidates: list[Entry]) -> list[Entry]:

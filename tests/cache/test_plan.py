@@ -1,11 +1,18 @@
-"""The plan policy and the reader runs, pure: no server, no files but the board's."""
+"""The plan policy and the reader runs (pure), and the store following the policy on a
+local directory: no server."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import numpy as np
+import pytest
 
 from asynccache.cache.board import Board
-from asynccache.cache.plan import EpochPlan, PlanPolicy, Stream
+from asynccache.cache.plan import Deferred, EpochPlan, PlanPolicy, Stream
+from asynccache.cache.store import ChunkStore
+from asynccache.config import Settings
 from asynccache.sampling.partition import Segment
 from asynccache.sampling.runs import reader_runs, reader_segments
 
@@ -121,3 +128,30 @@ def test_board_slots_round_trip_and_unknown_reads_as_none(tmp_path):
     board.write(2, 4, 7, 5)
     assert board.read() == [None, (4, 0, 123), (4, 7, 5)]
     board.close()
+
+
+def test_a_prefetch_may_push_out_only_what_no_reader_needs_again_this_epoch():
+    plan = two_readers()
+    # reader 0 is at 20 (reading chunk 2), reader 1 at 10 (reading chunk 3): 0 and 1 are
+    # consumed; 2 and 3 are read now; 4 is read later; 5 is read again by reader 0.
+    p = policy(plan, [(0, 0, 20), (0, 0, 10)])
+    names = [f"chunk-0-{i}.bin" for i in range(6)] + ["other.bin"]
+    assert p.spare(names) == ["chunk-0-0.bin", "chunk-0-1.bin", "other.bin"]
+
+
+def test_a_prefetch_that_would_push_out_a_chunk_still_to_be_read_is_deferred(tmp_path):
+    # The store's side: a cache holding only chunks still to be read this epoch defers a
+    # prefetch (nothing is removed); a demand fetch of the same size evicts as before.
+    settings = Settings.from_env(cache_dir=str(tmp_path), max_cache_bytes=3 * SIZE)
+    store = ChunkStore.for_dataset(settings, "s3://bucket/ds", "id", durable=False)
+    for i in (4, 5, 2):  # 4: read later; 5: read again; 2: read now
+        tmp = store.create_temp(f"chunk-0-{i}.bin", SIZE)
+        os.pwrite(tmp.fd, b"x" * SIZE, 0)
+        tmp.publish()
+    store.policy = policy(two_readers(), [(0, 0, 20), (0, 0, 10)])
+    with pytest.raises(Deferred):
+        asyncio.run(store.reserve("chunk-0-3.bin", SIZE, ahead=True))
+    assert {"chunk-0-2.bin", "chunk-0-4.bin", "chunk-0-5.bin"} <= set(os.listdir(store.root))
+    tmp = asyncio.run(store.reserve("chunk-0-3.bin", SIZE))  # a reader waits: evict
+    tmp.discard()
+    assert "chunk-0-4.bin" not in os.listdir(store.root), "the furthest one went"
