@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -308,17 +308,21 @@ class ReadOrder:
             )
         return order
 
-    def keys(self, start: int, end: int) -> np.ndarray:
-        """The unit keys at positions ``[start, end)`` of the epoch."""
+    def _stretches(self, start: int, end: int) -> Iterator[tuple[EpochOrder, int, int, int]]:
+        """Positions ``[start, end)`` of the epoch as ``(lap order, first, last, base)``:
+        stretches ``[first, last)`` of a lap, whose position 0 is ``base`` in the epoch."""
         if not 0 <= start <= end <= self.total:
             raise IndexError(f"positions [{start}, {end}) outside an epoch of {self.total}")
-        out = []
         pos = start
         while pos < end:
             lap, off = divmod(pos, self.lap_size)
             take = min(end - pos, self.lap_size - off)
-            out.append(self._lap(lap).keys(off, off + take))
+            yield self._lap(lap), off, off + take, pos - off
             pos += take
+
+    def keys(self, start: int, end: int) -> np.ndarray:
+        """The unit keys at positions ``[start, end)`` of the epoch."""
+        out = [order.keys(a, b) for order, a, b, _ in self._stretches(start, end)]
         return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
     def chunks_of(self, keys: np.ndarray) -> np.ndarray:
@@ -327,17 +331,10 @@ class ReadOrder:
 
     def spans(self, start: int, end: int) -> Spans:
         """:meth:`EpochOrder.spans` over the laps of the epoch (positions of the epoch)."""
-        if not 0 <= start <= end <= self.total:
-            raise IndexError(f"positions [{start}, {end}) outside an epoch of {self.total}")
         parts = []
-        pos = start
-        while pos < end:
-            lap, off = divmod(pos, self.lap_size)
-            take = min(end - pos, self.lap_size - off)
-            got = self._lap(lap).spans(off, off + take)
-            base = pos - off
+        for order, a, b, base in self._stretches(start, end):
+            got = order.spans(a, b)
             parts.append(Spans(got.lo + base, got.hi + base, got.chunks, got.counts))
-            pos += take
         return Spans.join(parts)
 
     @property
