@@ -204,7 +204,7 @@ class PlanCache:
             return False  # token blocks run into the next chunk: each is located
         spec = order.spec
         sampled = spec.subsample is not None and spec.subsample < 1
-        sequential = getattr(getattr(self.index, "columns", None), "runs", 1) is None
+        sequential = self.index.columns.runs is None  # keys in chunk order
         return spec.shuffle or sampled or sequential
 
 

@@ -8,6 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asynccache.format.index import ChunkEntry, Index
+from asynccache.readplan import EpochSpec, PlanCache
 from asynccache.sampling.order import OrderSpec, ReadOrder
 from asynccache.sampling.runs import reader_runs, reader_segments, window_runs
 
@@ -94,3 +96,37 @@ def test_a_plan_by_windows_of_a_large_shuffled_epoch_takes_arrays_only():
     assert [r.length for r in runs] == [sum(len(g) for g in s) for s in segs[:2]]
     # every chunk of reader 0's part is read in one run (its windows are whole)
     assert len(set(runs[0].chunks.tolist())) == len(runs[0].chunks)
+
+
+def test_the_node_plan_takes_the_window_path_past_its_threshold():
+    # PlanCache wiring: planned by windows (threshold lowered), a sequential index gives
+    # the same plan as by keys unshuffled, and a plan never smaller shuffled.
+    sizes = [7, 9, 0, 8, 6, 9, 5]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    chunks = tuple(
+        ChunkEntry(f"chunk-0-{c}.bin", n, 100 + c, "xxh3_64:0", ((starts[c], n),) if n else ())
+        for c, n in enumerate(sizes)
+    )
+    index = Index(chunks)
+    for shuffle in (False, True):
+        spec = EpochSpec(
+            epoch=0,
+            seed=5,
+            shuffle=shuffle,
+            window=2,
+            remaining=[(0, sum(sizes))],
+            received=0,
+            world=2,
+            rank=0,
+            num_workers=2,
+            worker=0,
+            batch_size=4,
+            drop_last=False,
+        )
+        by_keys, by_windows = PlanCache(index, spec), PlanCache(index, spec)
+        by_windows.exact_up_to = -1
+        a, b = by_keys(0, 0), by_windows(0, 0)
+        assert a is not None and b is not None
+        if not shuffle:
+            assert [runs_of(s) for s in a.streams] == [runs_of(s) for s in b.streams]
+        assert b.min_bytes >= a.min_bytes
