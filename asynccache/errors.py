@@ -26,6 +26,7 @@ Each class also inherits the builtin a caller would already catch, so
     │   └── WriteConflictError             another job is writing the same output directory
     ├── ResumeStateError (ValueError)      a state_dict that doesn't fit this loader
     ├── InputFailedError (RuntimeError)    optimize's fn raised on an input (named)
+    │   └── InputTimeoutError (TimeoutError)  fn ran past optimize's input_timeout_s (named)
     ├── WorkerDiedError (RuntimeError)     an optimize worker process died; a rerun resumes
     └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
 
@@ -49,6 +50,7 @@ __all__ = [
     "DatasetExistsError",
     "DiskFullError",
     "InputFailedError",
+    "InputTimeoutError",
     "ObjectNotFoundError",
     "ResumeStateError",
     "RetriesExhaustedError",
@@ -174,6 +176,11 @@ class DatasetExistsError(ConfigError, FileExistsError):
 
 class InputFailedError(AsyncCacheError, RuntimeError):
     """``optimize``'s ``fn`` raised on an input; the message names the input."""
+
+
+class InputTimeoutError(InputFailedError, TimeoutError):
+    """``optimize``'s ``fn`` ran longer than ``input_timeout_s`` on one input (named, with
+    its shard); its worker was stopped, finished shards are kept and a rerun resumes."""
 
 
 class WorkerDiedError(AsyncCacheError, RuntimeError):
