@@ -13,6 +13,10 @@ and ``benchmarks/README.md``):
   (``getrusage``) and of another process (``/proc/<pid>/stat``), e.g. the object store.
 * :class:`PeakSampler`: a thread sampling the memory of this process tree and the bytes
   under a directory, keeping the peaks.
+* :class:`PssSampler`: a thread summing the PSS of a process tree (this process and all
+  its descendants, from ``/proc/<pid>/smaps_rollup``) by kind (anonymous, file-backed,
+  shared memory), keeping the peaks; with :func:`anon_regions` and
+  :class:`ChunkBytesFinder` it can tell whether anonymous memory holds bytes of given files.
 * :func:`versions`, :func:`cores`, :func:`loadavg`, :func:`cell`: the report's furniture.
 
 Import it from a script in this directory as ``import limits`` (the script's directory is
@@ -371,6 +375,211 @@ class PeakSampler:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# -- PSS of the process tree, by kind -------------------------------------------------------
+ROLLUP_FIELDS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
+def rollup(pid: int) -> dict[str, int]:
+    """``/proc/<pid>/smaps_rollup`` in bytes (every ``Name: N kB`` line); {} if it is gone."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            if len(fields) == 2 and fields[1] == "kB":
+                out[name] = int(fields[0]) << 10
+    return out
+
+
+def tree_pids(root: int | None = None, exclude: Sequence[int] = ()) -> list[int]:
+    """``root`` (default: this process) and its descendants, ``exclude`` and theirs pruned."""
+    todo, out = [root or os.getpid()], []
+    while todo:
+        pid = todo.pop()
+        if pid not in exclude:
+            out.append(pid)
+            todo += _children(pid)
+    return out
+
+
+@dataclass(frozen=True)
+class Region:
+    """One anonymous mapping of a process (from ``/proc/<pid>/smaps``)."""
+
+    pid: int
+    start: int
+    end: int
+    rss: int  # resident bytes
+    name: str  # "" for plain anonymous memory, else e.g. "[heap]"
+
+
+def anon_regions(pid: int, min_rss: int = 0) -> list[Region]:
+    """The anonymous mappings of ``pid`` (no file behind them) with at least ``min_rss``.
+
+    ``[heap]`` and unnamed mappings count; ``[stack]``, ``[vdso]``-like and file or
+    shared-memory mappings do not (a DataLoader batch in shared memory is ``/dev/shm``
+    or ``memfd:``-backed, a mapped cache file is file-backed).
+    """
+    out: list[Region] = []
+    head: tuple[int, int, str] | None = None
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                fields = line.split(None, 5)
+                name = fields[5].strip() if len(fields) > 5 else ""
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                head = (lo, hi, name) if name in ("", "[heap]") else None
+            elif head is not None and first == "Rss:":
+                rss = int(line.split()[1]) << 10
+                if rss >= min_rss:
+                    out.append(Region(pid, head[0], head[1], rss, head[2]))
+                head = None
+    return out
+
+
+class ChunkBytesFinder:
+    """Tells whether memory holds bytes of given files (incompressible data), at any alignment.
+
+    It keeps the 8-byte word at every ``stride``-th offset of the files; a copy of at
+    least ``stride + 8`` contiguous bytes of a file holds one of them somewhere, and
+    :meth:`count` looks for them at every byte offset of a buffer (a 2^24-bit
+    prefilter, then an exact lookup). Random data makes a chance match vanishingly rare.
+    """
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]], stride: int = 4096) -> None:
+        import numpy as np
+
+        self._np = np
+        keys = []
+        for path in paths:
+            data = np.fromfile(path, dtype=np.uint8)
+            n = (len(data) - 8) // stride + 1 if len(data) >= 8 else 0
+            if n:
+                words = np.lib.stride_tricks.as_strided(data, shape=(n, 8), strides=(stride, 1))
+                keys.append(np.ascontiguousarray(words).view(np.uint64).ravel())
+        self.keys = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.uint64)
+        self.keys = self.keys[self.keys != 0]  # zero pages are everywhere
+        self._filter = np.zeros(1 << 24, dtype=bool)
+        self._filter[(self.keys & np.uint64((1 << 24) - 1)).astype(np.intp)] = True
+        self.stride = stride
+
+    def count(self, buf: bytes | bytearray | memoryview) -> int:
+        """How many of the kept words appear in ``buf``, at any byte offset."""
+        np = self._np
+        data = np.frombuffer(buf, dtype=np.uint8)
+        hits = 0
+        for shift in range(8):
+            usable = (len(data) - shift) // 8
+            if usable <= 0:
+                continue
+            words = data[shift : shift + usable * 8].view(np.uint64)
+            low = words.view(np.uint32)[::2]  # little-endian: the low half of each word
+            maybe = words[self._filter[low & np.uint32((1 << 24) - 1)]]
+            if len(maybe):
+                pos = np.searchsorted(self.keys, maybe)
+                pos[pos == len(self.keys)] = 0
+                hits += int(np.count_nonzero(self.keys[pos] == maybe))
+        return hits
+
+    def scan(self, region: Region, block: int = 16 << 20) -> int:
+        """:meth:`count` over a mapping of another process (``/proc/<pid>/mem``); 0 if gone."""
+        hits = 0
+        with contextlib.suppress(OSError), open(f"/proc/{region.pid}/mem", "rb", 0) as f:
+            for lo in range(region.start, region.end, block):
+                with contextlib.suppress(OSError):
+                    f.seek(lo)
+                    hits += self.count(f.read(min(block, region.end - lo)))
+        return hits
+
+
+class PssSampler:
+    """A thread summing, every ``interval_s``, the PSS of a process tree by kind; peaks kept.
+
+    Each sample walks the tree once (``root``, default this process, and all its
+    descendants, ``exclude`` pids and theirs pruned, e.g. the object store) and sums the
+    ``Pss``, ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of ``/proc/<pid>/smaps_rollup``.
+    PSS shares each page among the processes that map it, so forked workers and a file
+    mapped by several of them are counted once. ``peak`` holds each total's peak (each
+    taken at its own moment); ``at_peak`` the whole sample at the moment of the highest
+    ``Pss``. With ``regions_min`` set, every ``regions_every``-th sample also lists the
+    anonymous mappings of at least that many resident bytes (``largest`` keeps the biggest
+    seen, ``regions`` every one by pid and address), and ``finder``, if given, scans each
+    mapping when first seen and again when it has grown by a quarter (``found``: the
+    mappings that held bytes of the files, with the count of words found).
+
+    Use as a context manager around the measured work.
+    """
+
+    def __init__(
+        self,
+        root: int | None = None,
+        *,
+        exclude: Sequence[int] = (),
+        interval_s: float = 0.1,
+        regions_min: int = 0,
+        regions_every: int = 5,
+        finder: ChunkBytesFinder | None = None,
+    ) -> None:
+        self.root = root
+        self.exclude = tuple(exclude)
+        self.interval_s = interval_s
+        self.regions_min = regions_min
+        self.regions_every = max(1, regions_every)
+        self.finder = finder
+        self.peak: dict[str, int] = dict.fromkeys(ROLLUP_FIELDS, 0)
+        self.at_peak: dict[str, int] = dict.fromkeys(ROLLUP_FIELDS, 0)
+        self.samples = 0
+        self.largest: Region | None = None
+        self.regions: dict[tuple[int, int], Region] = {}
+        self.found: list[tuple[Region, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-pss", daemon=True)
+
+    def sample(self) -> dict[str, int]:
+        """One sample now: the tree's totals (bytes), folded into the peaks."""
+        pids = tree_pids(self.root, self.exclude)
+        total = dict.fromkeys(ROLLUP_FIELDS, 0)
+        for pid in pids:
+            r = rollup(pid)
+            for k in ROLLUP_FIELDS:
+                total[k] += r.get(k, 0)
+        for k in ROLLUP_FIELDS:
+            self.peak[k] = max(self.peak[k], total[k])
+        if total["Pss"] >= self.at_peak["Pss"]:
+            self.at_peak = total
+        if self.regions_min and self.samples % self.regions_every == 0:
+            self._look_at_regions(pids)
+        self.samples += 1
+        return total
+
+    def _look_at_regions(self, pids: Sequence[int]) -> None:
+        for pid in pids:
+            for region in anon_regions(pid, self.regions_min):
+                seen = self.regions.get((pid, region.start))
+                if seen is not None and region.rss < seen.rss * 5 // 4:
+                    continue  # looked at already, and it has not grown by a quarter since
+                self.regions[(pid, region.start)] = region
+                if self.largest is None or region.rss > self.largest.rss:
+                    self.largest = region
+                if self.finder is not None and (hits := self.finder.scan(region)):
+                    self.found.append((region, hits))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PssSampler:
         self._thread.start()
         return self
 
