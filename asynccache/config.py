@@ -67,6 +67,9 @@ class Settings:
     progress: bool = True
     verify_tls: bool = True
     durable: bool = True
+    # Item bytes a reader fetches by HTTP Range per epoch, before their chunks land, so
+    # the first batch does not wait for whole chunks (0: never; docs/cache.md).
+    first_read_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_cache_bytes", "part_bytes"):
@@ -75,7 +78,7 @@ class Settings:
         for name in ("max_concurrency",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_var(name)} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("prefetch_chunks", "retries", "min_bytes_per_s"):
+        for name in ("prefetch_chunks", "retries", "min_bytes_per_s", "first_read_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_var(name)} must be >= 0, got {getattr(self, name)!r}")
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):

@@ -9,20 +9,61 @@ pages with the file until written, and writing to them never changes the file.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import logging
 import mmap
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import xxhash
 
 from . import forksafe
 from .errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
+from .format.chunk import header_offsets, items_start
 
 Resolve = Callable[[int, ChunkEntry], str]
 Release = Callable[[int], None]
+
+log = logging.getLogger(__name__)
+
+_COALESCE_GAP = 64 << 10  # items this close are fetched as one range
+_EARLY_WAIT_S = 300.0  # outer bound; each request is bounded by timeout_s and retries
+
+
+class Ranged(Protocol):
+    """What a reader needs to read items before their chunk lands (a remote
+    :class:`~asynccache.source.DatasetSource`)."""
+
+    @property
+    def first_read_bytes(self) -> int: ...
+
+    def landed(self, ci: int) -> bool: ...
+
+    def read_ranges(
+        self, ci: int, ranges: list[tuple[int, int]]
+    ) -> concurrent.futures.Future[list[np.ndarray]]: ...
+
+    def chunk_url(self, ci: int) -> str: ...
+
+
+class _Early:
+    """Items of one chunk read by range before the chunk landed.
+
+    ``items``: position -> (buffer, start, end) not yet handed out; ``digests``: the
+    ``xxh3_64`` of every range fetched (the header's included), compared with the chunk's
+    bytes when this reader maps it.
+    """
+
+    __slots__ = ("digests", "items", "offsets")
+
+    def __init__(self, offsets: np.ndarray) -> None:
+        self.offsets = offsets
+        self.items: dict[int, tuple[np.ndarray, int, int]] = {}
+        self.digests: list[tuple[int, int, int]] = []
 
 
 class _Mapped:
@@ -88,6 +129,7 @@ class Reader:
         allow_pickle: bool = False,
         max_open: int = 16,
         release: Release | None = None,
+        ranged: Ranged | None = None,
     ) -> None:
         self.index = index
         self._resolve = resolve
@@ -98,13 +140,22 @@ class Reader:
         self._open: collections.OrderedDict[int, _Mapped] = collections.OrderedDict()
         self._verified: set[int] = set()
         self._lock = threading.Lock()
+        self._ranged = ranged
+        self._reset_early()
         forksafe.register(self)
+
+    def _reset_early(self) -> None:
+        """A new epoch (or process): range reads allowed again, up to the budget."""
+        self._early: dict[int, _Early] = {}
+        self._early_left = self._ranged.first_read_bytes if self._ranged is not None else 0
+        self._mapped_any = False  # a chunk was mapped since: no more range reads
 
     def _after_fork_in_child(self) -> None:
         # Another thread may have held the mutex at the fork: it would never be released.
         self._lock = threading.Lock()
         # The parent's pins: releasing them here would unpin what this process never pinned.
         self._open = collections.OrderedDict()
+        self._reset_early()
 
     def __len__(self) -> int:
         return self.index.total_items
@@ -115,6 +166,19 @@ class Reader:
 
     def read(self, chunk: int, pos: int) -> Any:
         """Item ``pos`` of chunk number ``chunk``."""
+        early = self._early.get(chunk) if self._early else None
+        if early is not None:
+            with self._lock:
+                got = early.items.pop(pos, None)
+            if got is not None:
+                buf, start, end = got
+                where = f"{self._where(chunk)} item {pos} (range read)"
+                try:
+                    return decode(buf, start, end, where=where, allow_pickle=self._allow_pickle)
+                except DataError:
+                    # Damaged in transit, most likely: read it from the chunk, which is
+                    # verified, and whose comparison with the ranges names the damage.
+                    log.debug("%s: not decodable; reading it from the chunk", where)
         m = self._chunk(chunk)
         start, end = m.view.span(pos)
         dt = m.view.token_dtype
@@ -123,6 +187,108 @@ class Reader:
         return decode(
             m.mm, start, end, where=f"{m.path} item {pos}", allow_pickle=self._allow_pickle
         )
+
+    def expect(self, chunks: np.ndarray, positions: np.ndarray) -> None:
+        """Items ``(chunks[i], positions[i])`` are read next, in this order.
+
+        At the start of an epoch, before this reader has mapped any chunk, the items
+        whose chunk has not landed yet are fetched by HTTP Range into memory (their
+        chunks keep downloading), up to ``first_read_bytes`` per epoch, so the first
+        batch does not wait for whole chunks. Each fetched range is compared with the
+        chunk when this reader maps it (a mismatch: :class:`ChecksumMismatchError`).
+        A failed range read is not an error: those items are read from their chunks.
+        """
+        if self._ranged is None or self._early_left <= 0 or self._mapped_any:
+            return
+        want = self._early_plan(chunks, positions)
+        if not want:
+            self._early_left = 0  # nothing to fetch now: none later either
+            return
+        try:
+            self._fetch_early(want)
+        except Exception as exc:  # the chunk path retries, verifies and reports
+            log.debug("range reads failed, reading from chunks: %r", exc)
+        self._early_left = 0  # one round per epoch: the chunks are on their way
+
+    def _early_plan(self, chunks: np.ndarray, positions: np.ndarray) -> dict[int, list[int]]:
+        """The positions to read by range, per chunk, within the byte budget."""
+        assert self._ranged is not None
+        with self._lock:
+            skip = set(self._open) | set(self._early)
+        landed: dict[int, bool] = {}
+        want: dict[int, list[int]] = {}
+        left = self._early_left
+        sizes = self.index.bytes_per_chunk
+        counts = self.index.items_per_chunk
+        for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
+            if ci in skip:
+                continue
+            if ci not in landed:
+                landed[ci] = self._ranged.landed(ci) or self.index.tokens_per_chunk is not None
+            if landed[ci]:
+                continue
+            left -= int(sizes[ci]) // max(int(counts[ci]), 1)  # the header says exactly
+            if left < 0:
+                break
+            want.setdefault(ci, []).append(pos)
+        return want
+
+    def _fetch_early(self, want: dict[int, list[int]]) -> None:
+        """Headers of the chunks in ``want`` (one round), then their items (one more)."""
+        assert self._ranged is not None
+        counts = self.index.items_per_chunk
+        sizes = self.index.bytes_per_chunk
+        heads = {
+            ci: self._ranged.read_ranges(ci, [(0, items_start(int(counts[ci])))]) for ci in want
+        }
+        early: dict[int, _Early] = {}
+        bodies: dict[int, tuple[list[tuple[int, int]], concurrent.futures.Future[Any]]] = {}
+        left = self._early_left
+        for ci, fut in heads.items():
+            (head,) = _result(fut)
+            offsets = header_offsets(head, int(counts[ci]), int(sizes[ci]), self._where(ci))
+            e = early[ci] = _Early(offsets)
+            e.digests.append((0, len(head), xxhash.xxh3_64_intdigest(head)))
+            spans = []
+            for pos in want[ci]:
+                start, end = int(offsets[pos]), int(offsets[pos + 1])
+                if end - start > left:
+                    break
+                left -= end - start
+                spans.append((start, end))
+            if spans:
+                ranges = _coalesce(spans, _COALESCE_GAP)
+                bodies[ci] = (ranges, self._ranged.read_ranges(ci, ranges))
+        for ci, (ranges, fut) in bodies.items():
+            e = early[ci]
+            for (lo, hi), buf in zip(ranges, _result(fut), strict=True):
+                e.digests.append((lo, hi, xxhash.xxh3_64_intdigest(buf)))
+                for pos in want[ci]:
+                    start, end = int(e.offsets[pos]), int(e.offsets[pos + 1])
+                    if lo <= start and end <= hi:
+                        e.items[pos] = (buf, start - lo, end - lo)
+        with self._lock:
+            self._early.update(early)
+
+    def _check_early(self, ci: int, m: _Mapped) -> None:
+        """Compare what was read of chunk ``ci`` by range with the chunk (now verified)."""
+        with self._lock:
+            early = self._early.pop(ci, None)
+        if early is None:
+            return
+        view = memoryview(m.mm) if m.mm else memoryview(b"")
+        for lo, hi, digest in early.digests:
+            if xxhash.xxh3_64_intdigest(view[lo:hi]) != digest:
+                raise ChecksumMismatchError(
+                    f"{self._where(ci)}: bytes {lo}-{hi} read by range before the chunk "
+                    "landed differ from the verified chunk (damaged in transit); items "
+                    "read from them were already handed out"
+                )
+
+    def _where(self, ci: int) -> str:
+        if self._ranged is not None:
+            return self._ranged.chunk_url(ci)
+        return self.index.filename(ci)
 
     def chunk_tokens(self, chunk: int) -> np.ndarray:
         """Every token of token chunk number ``chunk``, as one view of its mapping.
@@ -152,6 +318,13 @@ class Reader:
             self._released(ci)
             raise
         m = _Mapped(mm, view, path)
+        self._mapped_any = True
+        if self._early:
+            try:
+                self._check_early(ci, m)
+            except BaseException:
+                self._released(ci)
+                raise
         dropped = []
         with self._lock:
             self._verified.add(ci)
@@ -178,7 +351,17 @@ class Reader:
             self._released(ci)
 
     def close(self) -> None:
-        """Drop every mapping (items already returned stay valid)."""
+        """Drop every mapping (items already returned stay valid).
+
+        First maps each chunk that items were read from by range and not yet compared
+        with (waiting for it to land, bounded as any read), so every item handed out is
+        checked; then the next epoch may read by range again.
+        """
+        try:
+            for ci in list(self._early):
+                self._chunk(ci)
+        finally:
+            self._reset_early()
         with self._lock:
             dropped = list(self._open)
             self._open.clear()
@@ -188,6 +371,7 @@ class Reader:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = collections.OrderedDict()
+        state["_early"] = {}
         del state["_lock"]
         return state
 
@@ -195,3 +379,23 @@ class Reader:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         forksafe.register(self)
+
+
+def _coalesce(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted, merged ``[start, end)`` ranges covering ``spans``; spans closer than
+    ``gap`` bytes are fetched as one range (one request beats two small ones)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _result(fut: concurrent.futures.Future[Any]) -> Any:
+    try:
+        return fut.result(timeout=_EARLY_WAIT_S)
+    except BaseException:
+        fut.cancel()
+        raise

@@ -15,12 +15,15 @@ interpreter exit, whichever comes first.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from . import forksafe, indexfile
 from .bridge import get_loop_thread
@@ -291,6 +294,32 @@ class DatasetSource:
                 return  # pinned through an earlier connection, released with it
             conn.pinned[name] -= 1
         conn.store.unpin(name)
+
+    # -- items before their chunk (range reads) -----------------------------------
+    @property
+    def first_read_bytes(self) -> int:
+        """Item bytes a reader may fetch by range per epoch before their chunks land
+        (``ASYNCCACHE_FIRST_READ_BYTES``); 0 for a local dataset (read in place)."""
+        return self.settings.first_read_bytes if self.remote else 0
+
+    def landed(self, ci: int) -> bool:
+        """Chunk ``ci`` is in this node's cache now (always true for a local dataset)."""
+        if not self.remote:
+            return True
+        return self.downloader().store.is_cached(
+            self.index.filename(ci), int(self.index.bytes_per_chunk[ci])
+        )
+
+    def read_ranges(
+        self, ci: int, ranges: list[tuple[int, int]]
+    ) -> concurrent.futures.Future[list[np.ndarray]]:
+        """A Future of the bytes of each ``[start, end)`` of chunk ``ci``, in memory (see
+        :meth:`Downloader.read_ranges`): never cached, verified by the caller against the
+        chunk once it lands. Remote datasets only."""
+        return self.downloader().read_ranges(self.index.filename(ci), ranges)
+
+    def chunk_url(self, ci: int) -> str:
+        return f"{self.url.rstrip('/')}/{self.index.filename(ci)}"
 
     def hint(self, chunks: Iterable[int]) -> None:
         """These chunks come next, in this order: download them ahead (remote only).

@@ -33,6 +33,7 @@ from ..storage.transport import gather_or_cancel
 from .gate import shared_gate
 from .parts import fetch_range, split_parts
 from .progress import ProgressClock
+from .ranges import read_range
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
@@ -135,6 +136,34 @@ class Downloader:
     ) -> concurrent.futures.Future[str]:
         """A Future of the local path of chunk ``name``, downloading it if needed."""
         return self._lt.submit(self.ensure_async(name, size, checksum))
+
+    def read_ranges(
+        self, name: str, ranges: list[tuple[int, int]]
+    ) -> concurrent.futures.Future[list[Any]]:
+        """A Future of the bytes ``[start, end)`` of chunk ``name`` for each of ``ranges``,
+        as 64-byte-aligned uint8 arrays in memory: never written to the cache, never
+        verified here (the caller compares them with the chunk once it lands).
+
+        For items a reader wants before their chunk is here: each request takes a
+        concurrency slot ahead of prefetches, bounded by ``timeout_s`` per attempt and
+        the retry budget. Cancelling the Future cancels the requests.
+        """
+        return self._lt.submit(self._read_ranges(name, ranges))
+
+    async def _read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
+        return await gather_or_cancel(
+            read_range(
+                self.storage,
+                name,
+                start,
+                end,
+                policy=self._policy,
+                timeout_s=self.settings.timeout_s,
+                slot=functools.partial(self._gate.slot, _urgent),
+                stats=self.stats,
+            )
+            for start, end in ranges
+        )
 
     def idle_s(self) -> float:
         """Seconds since the liveliest download in flight showed a sign of life (or, with
@@ -451,6 +480,11 @@ class Downloader:
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run ``coro`` on this downloader's I/O thread and wait (bounded)."""
         return self._lt.call(coro, timeout)
+
+
+def _urgent() -> bool:
+    """A range read is always for an item a reader waits for."""
+    return True
 
 
 def file_checksum(fd: int, size: int) -> str:

@@ -23,6 +23,8 @@ class DownloadStats:
     misses: int = 0
     retries: int = 0
     deferred: int = 0  # prefetches the store deferred: the node's prefetch room was full
+    range_gets: int = 0  # range requests for items wanted before their chunk landed
+    range_bytes: int = 0  # their bytes (held in memory, never cached)
     wait_s: float = 0.0
     busy_s: float = 0.0
     peak_inflight: int = 0
@@ -53,5 +55,6 @@ class DownloadStats:
         return (
             f"fetched={self.chunks_fetched} bytes={self.bytes} hits={self.hits} "
             f"misses={self.misses} retries={self.retries} deferred={self.deferred} "
+            f"range_gets={self.range_gets} "
             f"MB/s={self.bytes_per_s / 1e6:.1f} wait_s={self.wait_s:.3f}"
         )

@@ -60,6 +60,37 @@ def build(
         yield from pieces
 
 
+def header_offsets(buf: Any, count: int, size: int, name: str) -> np.ndarray:
+    """The item offsets of a chunk of items, parsed from its first ``items_start(count)``
+    bytes alone (a range read of the header, before the chunk itself is here).
+
+    ``count`` and ``size`` are the index's: the header must agree with them.
+
+    Raises:
+        BadMagicError, UnsupportedVersionError, TruncatedChunkError: naming ``name``;
+            also for a token chunk (its items are not read this way).
+    """
+    if len(buf) < items_start(count):
+        raise TruncatedChunkError(
+            f"{name}: {len(buf)} bytes can't hold the header of {count} items"
+        )
+    magic, version, flags, n = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise BadMagicError(f"{name}: not an asynccache chunk (bad magic bytes {magic!r})")
+    if version != VERSION or flags != 0:
+        raise UnsupportedVersionError(f"{name}: version {version} flags {flags:#x}: not items")
+    offsets = np.frombuffer(buf, dtype="<u8", count=count + 1, offset=HEADER_BYTES)
+    offsets = offsets.astype(np.int64)
+    if (
+        n != count
+        or int(offsets[-1]) != size
+        or (count and int(offsets[0]) < HEADER_BYTES + 8 * (count + 1))
+        or np.any(np.diff(offsets) < 0)
+    ):
+        raise TruncatedChunkError(f"{name}: header does not match the index ({count} items)")
+    return offsets
+
+
 class ChunkView:
     """Parsed header of a chunk held in a buffer (an mmap); item ``i`` spans ``span(i)``.
 

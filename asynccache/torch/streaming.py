@@ -196,6 +196,7 @@ class StreamingDataset(IterableDataset[Any]):
             self.index,
             self.source.acquire,
             release=self.source.release,
+            ranged=self.source,
             verify=not self.source.remote,
             allow_pickle=allow_pickle,
             max_open=shuffle_window + 2,
@@ -473,6 +474,7 @@ class StreamingDataset(IterableDataset[Any]):
         if self._blocks is not None:
             return self._blocks.chunks_of(keys), self._blocks.read_many(self._reader, keys)
         chunks, positions = self.index.locate_many(keys)
+        self._reader.expect(chunks, positions)  # the first batch: items by range
         pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
         return chunks, (self._reader.read(ci, pos) for ci, pos in pairs)
 

@@ -1,0 +1,94 @@
+"""Byte ranges of a chunk read into memory, for items wanted before their chunk is here.
+
+The first batch of an epoch need not wait for whole chunks: the reader fetches the few
+items it needs by HTTP Range while the chunks keep downloading (see ``docs/cache.md``,
+*Range reads for the first batch*). What arrives here is never written to the cache and
+never published; it is verified against the chunk once the chunk lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+
+import numpy as np
+
+from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
+from ..storage.base import Storage
+from .retry import RetryPolicy
+from .stats import DownloadStats
+
+__all__ = ["aligned_buffer", "read_range"]
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # items start on 64-byte boundaries of the chunk: keep them so in memory
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A writable uint8 array of ``nbytes`` whose first byte is 64-byte aligned."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+async def read_range(
+    storage: Storage,
+    key: str,
+    start: int,
+    end: int,
+    *,
+    policy: RetryPolicy,
+    timeout_s: float,
+    slot: Callable[[], AbstractAsyncContextManager[None]],
+    stats: DownloadStats,
+) -> np.ndarray:
+    """Bytes ``[start, end)`` of ``key`` in a 64-byte-aligned buffer.
+
+    Each attempt holds one ``slot()`` and is bounded by ``timeout_s``; a transient
+    failure resumes from the first byte not yet received, within ``policy``'s budget.
+
+    Raises:
+        RetriesExhaustedError: the retry budget ran out (the last cause chained).
+        StorageError: non-transient failures pass through unretried.
+    """
+    buf = aligned_buffer(end - start)
+    pos = start
+    failures = 0
+    while True:
+        try:
+            async with slot():
+                stats.range_gets += 1
+                async with asyncio.timeout(timeout_s):
+                    async for piece in storage.iter_range(key, pos, end):
+                        n = min(len(piece), end - pos)
+                        buf[pos - start : pos - start + n] = np.frombuffer(piece, np.uint8, n)
+                        pos += n
+                        stats.range_bytes += n
+                        if pos >= end:
+                            break
+            if pos < end:
+                raise TransientError(
+                    f"short body from {storage.object_url(key)} bytes {start}-{end}",
+                    url=storage.object_url(key),
+                )
+            return buf
+        except (TransientError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, StorageTimeoutError):
+                exc = StorageTimeoutError(
+                    f"no complete answer from {storage.object_url(key)} in {timeout_s}s",
+                    url=storage.object_url(key),
+                )
+            failures += 1
+            if not policy.should_retry(failures):
+                raise RetriesExhaustedError(
+                    f"gave up on {storage.object_url(key)} bytes {start}-{end} after "
+                    f"{failures} attempts; last error: {exc}",
+                    url=storage.object_url(key),
+                    attempts=failures,
+                ) from exc
+            stats.retries += 1
+            retry_after = exc.retry_after if isinstance(exc, TransientError) else None
+            await asyncio.sleep(policy.delay(failures, retry_after))

@@ -1,0 +1,161 @@
+"""The first batch of an epoch read by HTTP Range before its chunks land (issue 17 part 3).
+
+A real SeaweedFS behind the real fault proxy: the proxy holds back the whole-chunk GET of
+the first chunk (``slow``), so the reader surely asks for its first items before that
+chunk lands, and logs every request so the range GETs can be counted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from asynccache import ChecksumMismatchError
+from asynccache.config import Settings
+from asynccache.format import ChunkView, checksum
+from asynccache.format.chunk import items_start
+from asynccache.testing.faults import Fault, FaultProxy
+from asynccache.torch.streaming import StreamingDataset
+from asynccache.writer import ChunkWriter, merge_dir
+from tests.remote_data import upload_dataset
+
+pytestmark = pytest.mark.timeout(120)
+
+N, PER_CHUNK, ITEM = 96, 32, 16 << 10
+EARLY = 10 * ITEM  # the range-read budget: about 9 items of the first chunk
+
+
+def _item(i: int) -> dict:
+    return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    src = tmp_path_factory.mktemp("first") / "src"
+    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
+    for i in range(N):
+        w.add(i, _item(i))
+    w.finish()
+    merge_dir(str(src), [0])
+    return src
+
+
+@pytest.fixture
+def remote(written, objstore, bucket):
+    url = upload_dataset(written, f"s3://{bucket}/ds", objstore.storage_options)
+    return url
+
+
+def _first_chunk(src) -> tuple[str, int, int]:
+    """Name, size and first item offset of the dataset's first chunk."""
+    name = sorted(f for f in os.listdir(src) if f.endswith(".bin"))[0]
+    data = (src / name).read_bytes()
+    return name, len(data), ChunkView(data, name).span(0)[0]
+
+
+def _range_gets(proxy: FaultProxy, size: int) -> list[tuple[str, str]]:
+    """The GETs of chunks that asked for part of a chunk other than a whole-chunk part."""
+    return [
+        (r.path.rsplit("/", 1)[1], r.range)
+        for r in proxy.requests
+        if r.method == "GET" and r.path.endswith(".bin") and r.range != f"bytes=0-{size - 1}"
+    ]
+
+
+def _dataset(url, options, tmp_path, early=EARLY, **kw) -> StreamingDataset:
+    settings = Settings.from_env(progress=False, first_read_bytes=early)
+    return StreamingDataset(
+        url, cache_dir=tmp_path / "cc", storage_options=options, settings=settings, **kw
+    )
+
+
+def test_first_items_by_range_are_the_chunk_items_and_stop_once_chunks_land(
+    remote, written, objstore, tmp_path
+):
+    name, size, first = _first_chunk(written)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        # The first chunk's whole GET waits, so the first items can only come by range.
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=1.0))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _dataset(remote, options, tmp_path)
+        got = list(ds)
+        assert proxy.fired("slow") == 1
+        ranged = _range_gets(proxy, size)
+        # One round for the header, one for the first items (coalesced), first chunk only.
+        assert ranged == [
+            (name, f"bytes=0-{items_start(PER_CHUNK) - 1}"),
+            (name, ranged[1][1]),
+        ], ranged
+        lo = int(ranged[1][1].removeprefix("bytes=").split("-")[0])
+        assert lo == first
+        stats = ds.source.stats
+        assert stats.range_gets == 2 and 0 < stats.range_bytes <= EARLY + items_start(PER_CHUNK)
+        assert stats.chunks_fetched == N // PER_CHUNK  # each chunk still downloaded once
+        # The same items, bit for bit, as read from the chunks; writable, as mapped ones.
+        assert [g["i"] for g in got] == list(range(N))
+        for g in got:
+            np.testing.assert_array_equal(g["x"], _item(g["i"])["x"])
+        assert got[0]["x"].flags.writeable and got[0]["x"].ctypes.data % 64 == 0
+        # Every chunk was published verified.
+        cached = {f: os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cc") for f in fs}
+        for f in (p for p in os.listdir(written) if p.endswith(".bin")):
+            with open(cached[f], "rb") as fh:
+                assert checksum(fh.read()) == checksum((written / f).read_bytes())
+        # A second epoch finds every chunk here: no range read.
+        before = len(proxy.requests)
+        assert [g["i"] for g in ds] == list(range(N))
+        assert _range_gets(proxy, size) == ranged
+        assert ds.source.stats.range_gets == 2 and len(proxy.requests) == before
+        ds.close()
+
+
+def test_worker_first_batches_by_range_match_the_chunk_path(remote, written, objstore, tmp_path):
+    _, size, _ = _first_chunk(written)
+    chunks = N // PER_CHUNK
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        batches, ranged = {}, {}
+        for early in (EARLY, 0):
+            if early:  # every chunk waits: both workers' first items come by range
+                whole = f"bytes=0-{size - 1}"
+                proxy.add_fault(Fault("slow", path=".bin", range=whole, stall_s=0.5, times=chunks))
+            seen = len(_range_gets(proxy, size))
+            ds = _dataset(remote, options, tmp_path / str(early), early, shuffle=True, seed=5)
+            ds.batch_size = 8
+            loader = DataLoader(ds, batch_size=8, num_workers=2)
+            batches[early] = [(b["i"].clone(), b["x"].clone()) for b in loader]
+            ranged[early] = len(_range_gets(proxy, size)) - seen
+            ds.close()
+        assert proxy.fired("slow") == chunks  # each chunk downloaded once for the node
+    # Per worker: one header per chunk of its first items, and at most one range per item.
+    assert ranged[0] == 0 and 2 <= ranged[EARLY] <= 2 * (chunks + EARLY // ITEM), ranged
+    assert len(batches[EARLY]) == len(batches[0]) == N // 8
+    for (i1, x1), (i0, x0) in zip(batches[EARLY], batches[0], strict=True):
+        assert i1.tolist() == i0.tolist()
+        assert (x1 == x0).all()
+    assert sorted(i for b, _ in batches[EARLY] for i in b.tolist()) == list(range(N))
+
+
+def test_a_damaged_range_is_caught_when_its_chunk_lands(remote, written, objstore, tmp_path):
+    name, size, first = _first_chunk(written)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=1.0))
+        # Flip a byte inside the first item's array, in the range read only.
+        proxy.add_fault(Fault("flip", path=name, range=f"bytes={first}-", flip_at=ITEM // 2))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _dataset(remote, options, tmp_path)
+        it = iter(ds)
+        damaged = next(it)
+        assert proxy.fired("flip") == 1
+        assert not np.array_equal(damaged["x"], _item(0)["x"])  # handed out before the check
+        with pytest.raises(ChecksumMismatchError, match="read by range before the chunk landed"):
+            list(it)
+        ds.close()
+    # The chunk itself arrived whole and was published verified.
+    cached = [os.path.join(d, name) for d, _, fs in os.walk(tmp_path / "cc") if name in fs]
+    assert len(cached) == 1
+    with open(cached[0], "rb") as f:
+        assert checksum(f.read()) == checksum((written / name).read_bytes())
