@@ -380,6 +380,13 @@ class Reader:
         self._lock = threading.Lock()
         forksafe.register(self)
 
+    def mapped(self, chunk: int) -> tuple[Any, np.ndarray]:
+        """Chunk ``chunk``'s mapping and item offsets table (``count + 1`` int64 byte
+        offsets), for readers that copy many items at once (batch assembly). The mapping
+        stays valid for as long as it is referenced, like an item's."""
+        m = self._chunk(chunk)
+        return m.mm, m.view._offsets
+
 
 def _coalesce(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
     """Sorted, merged ``[start, end)`` ranges covering ``spans``; spans closer than

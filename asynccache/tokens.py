@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .batchread import copy_rows
 from .errors import ConfigError, DataError
 from .format import Index
 from .reader import Reader
@@ -137,6 +138,26 @@ class TokenUnits:
                 yield tokens[off : off + L]
             else:
                 yield self.read(reader, b)
+
+    def assemble_into(self, reader: Reader, blocks: np.ndarray, rows: np.ndarray) -> None:
+        """Blocks ``blocks`` copied into ``rows`` (``(len(blocks), block_size)`` of the
+        token dtype, C order), one copy per token: the blocks inside a chunk are evenly
+        spaced in it, so each chunk's share is one gather; a block that spans chunks is
+        assembled from its pieces."""
+        L = self.block_size
+        width = self.dtype.itemsize
+        out = rows.view(np.uint8)  # (len(blocks), L * width)
+        starts, offsets = self.layout.locate_many(blocks)
+        lasts = self.layout.last_chunks(blocks)
+        inside = starts == lasts
+        for c in np.unique(starts[inside]).tolist():
+            sel = np.nonzero(inside & (starts == c))[0]
+            src = reader.chunk_tokens(c).view(np.uint8)
+            off = offsets[sel].astype(np.int64)
+            r = int(off[0]) % L
+            copy_rows(src, off * width, L * width, out, sel, (off - r) // L, L * width)
+        for j in np.nonzero(~inside)[0].tolist():
+            rows[j] = self.read(reader, int(blocks[j]))
 
     def read(self, reader: Reader, block: int) -> Any:
         """Block ``block``: a view of its chunk's mapping, or one copy when it spans chunks."""

@@ -313,6 +313,9 @@ class CacheDataLoader(DataLoader[Any]):
         self._part_base = 0
         self._resume: dict[str, Any] | None = None  # a loaded position, for the next iter()
         self._loaded: dict[str, Any] | None = None  # the state it came from, as loaded
+        # Why streamed epochs collate items here instead of taking whole batches from the
+        # workers (None: whole batches; set when the first streamed epoch starts).
+        self.batch_fallback: str | None = None
         self._check_matches()
 
     def _check_matches(self) -> None:
@@ -486,22 +489,38 @@ class CacheDataLoader(DataLoader[Any]):
         the DataLoader starts at the first batch."""
         ds = self._streaming()
         ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
+        loader = self._stream_loader
+        if loader is None:
+            self.batch_fallback = self._batch_fallback(ds)
+        # Whole batches from the workers, or items collated here (docs/streaming.md).
+        ds._set_batch_mode(self.drop_last if self.batch_fallback is None else None)
         if resume is not None:
             ds.load_state_dict(resume["stream"])
         else:
             ds.set_epoch(epoch)
-        loader = self._stream_loader
         if loader is None:
-            loader = self._loader(
-                ds,
-                persistent=self.persistent_workers,
-                batch_size=self._bs,
-                drop_last=self.drop_last,
-                collate_fn=self.collate_fn,
-            )
+            if self.batch_fallback is None:
+                loader = self._loader(
+                    ds, persistent=self.persistent_workers, batch_size=None, collate_fn=_identity
+                )
+            else:
+                loader = self._loader(
+                    ds,
+                    persistent=self.persistent_workers,
+                    batch_size=self._bs,
+                    drop_last=self.drop_last,
+                    collate_fn=self.collate_fn,
+                )
             if self.persistent_workers:
                 self._stream_loader = loader
         return _lazy(loader)
+
+    def _batch_fallback(self, ds: StreamingDataset) -> str | None:
+        """Why the streamed epochs collate items in the loader rather than take whole
+        batches from the workers (None: they take whole batches)."""
+        if self.collate_fn is not default_collate:
+            return "a collate_fn is set"
+        return ds.batchable()
 
     def _map_batches(self, epoch: int, n: int) -> list[list[int]]:
         world = distributed.current()

@@ -317,6 +317,10 @@ class MixedDataset(StreamingDataset):
         raise ConfigError("a MixedDataset is iterated, not indexed; index its streams instead")
 
     # -- reading -----------------------------------------------------------------------
+    def batchable(self) -> str | None:
+        """A mix collates its samples in the loader (its streams' leaves may differ)."""
+        return "a MixedDataset collates per sample"
+
     def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
         return np.empty(0, dtype=np.int64), self._read_slots(keys)
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from ..batchread import ChunkForms, Form, Leaf, assemble_into
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..reader import Reader
@@ -20,7 +23,7 @@ from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, received_per_worker
 from ..source import DatasetSource
 from ..tokens import TokenBlocks, TokenUnits
-from . import distributed
+from . import batches, distributed
 
 STATE_VERSION = 1
 _BLOCK = 512  # positions materialised at a time; bounds memory per worker
@@ -203,6 +206,10 @@ class StreamingDataset(IterableDataset[Any]):
         )
         self._yielded = 0
         self._rank_world = distributed.rank_and_world()
+        # None: each worker yields items (the DataLoader collates them); else each worker
+        # yields whole batches of batch_size (the value: drop a short last batch).
+        self._batch_mode: bool | None = None
+        self._new_busy()
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
         self._shared = _shared_bytes(_STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8)
@@ -297,6 +304,7 @@ class StreamingDataset(IterableDataset[Any]):
         fresh = _shared_bytes(self._shared.numel())
         fresh.numpy()[:_STATS_AT] = self._shared.numpy()[:_STATS_AT]
         self._shared, self._owner = fresh, pid
+        self._new_busy()
         self._stats_pid, self._stats_base = -1, np.zeros(len(_STAT_FIELDS))
 
     def _counters(self) -> np.ndarray:
@@ -327,6 +335,7 @@ class StreamingDataset(IterableDataset[Any]):
             "batch_size": self.batch_size,
             "num_workers": self.num_workers,
             "rank_world": list(self._rank_world),
+            "batched": getattr(self, "_batch_mode", None),
         }
         raw = json.dumps(plan).encode()
         if len(raw) > _PLAN_BYTES:
@@ -354,6 +363,7 @@ class StreamingDataset(IterableDataset[Any]):
         )
         self.batch_size, self.num_workers = plan["batch_size"], plan["num_workers"]
         self._rank_world = (int(plan["rank_world"][0]), int(plan["rank_world"][1]))
+        self._batch_mode = plan.get("batched")
 
     def _stat_table(self) -> np.ndarray:
         self._own()
@@ -454,6 +464,9 @@ class StreamingDataset(IterableDataset[Any]):
         order = self._order()
         self._plan_epoch(pr, world, logical)
         self._yielded = 0
+        if self._batch_mode is not None:
+            yield from self._iter_batches(order, segments, self._batch_mode)
+            return
         try:
             for seg in segments:
                 for a in range(seg.start, seg.end, _BLOCK):
@@ -468,6 +481,168 @@ class StreamingDataset(IterableDataset[Any]):
         finally:
             self._report_stats()
             self._reader.close()
+
+    # -- whole batches (docs/streaming.md, "Batches") ---------------------------------
+    def _new_busy(self) -> None:
+        """A fresh block of busy marks for pooled batch buffers (see torch/batches.py)."""
+        self._busy = batches.shared_bytes(batches.BLOCK_BYTES)
+        self._busy_token = secrets.token_hex(8)
+        batches.register(self._busy_token, self._busy)
+
+    def batchable(self) -> str | None:
+        """Why this dataset's workers can't yield whole batches (None: they can)."""
+        if self.transform is not None:
+            return "a per-item transform is set"
+        return None
+
+    def batch_stats(self) -> dict[str, int]:
+        """Batches this dataset's workers assembled from the chunks (``assembled``) or
+        collated from decoded items (``collated``: leaves that don't fit), and the pooled
+        / one-off buffers they allocated, summed over every worker."""
+        self._own()
+        return batches.counters(self._busy)
+
+    def _set_batch_mode(self, drop_last: bool | None) -> None:
+        """Make workers yield whole batches of ``batch_size`` (``drop_last``: drop a short
+        last batch), or items again (None)."""
+        self._batch_mode = drop_last
+        self._publish()
+
+    def _iter_batches(self, order: ReadOrder, segments: list[Segment], drop_last: bool) -> Any:
+        """This worker's run in batches of ``batch_size``: the same batches, in the same
+        order, that a DataLoader collating its items with ``default_collate`` makes."""
+        bs = self.batch_size
+        info = get_worker_info()
+        row = 0 if info is None else info.id
+        pool = None
+        if info is not None:  # a worker: batches go to the main process in pooled buffers
+            pool = self.__dict__.get("_pool")
+            if (
+                pool is None
+                or pool.block is not self._busy
+                or self.__dict__.get("_pool_pid") != os.getpid()
+            ):
+                pool = self.__dict__["_pool"] = batches.Pool(self._busy, self._busy_token, row)
+                self.__dict__["_pool_pid"] = os.getpid()
+        self.__dict__["_forms"] = collections.OrderedDict()
+        pending: list[np.ndarray] = []
+        held = 0
+        try:
+            for seg in segments:
+                for a in range(seg.start, seg.end, _BLOCK):
+                    self._report_stats()
+                    keys = order.keys(a, min(seg.end, a + _BLOCK))
+                    pending.append(keys)
+                    held += len(keys)
+                    hinted = False
+                    while held >= bs:
+                        run = np.concatenate(pending)
+                        pending, held = [run[bs:]], len(run) - bs
+                        out = self._batch(run[:bs], pool, row)
+                        if not hinted:
+                            self._hint(order, segments, seg, a, self._chunks_of(keys))
+                            hinted = True
+                        self._yielded += bs
+                        yield out
+                    if not hinted:
+                        self._hint(order, segments, seg, a, self._chunks_of(keys))
+            if held and not drop_last:
+                run = np.concatenate(pending)
+                out = self._batch(run, pool, row)
+                self._yielded += len(run)
+                yield out
+        finally:
+            self.__dict__.pop("_forms", None)
+            self._report_stats()
+            self._reader.close()
+
+    def _chunks_of(self, keys: np.ndarray) -> np.ndarray:
+        if self._blocks is not None:
+            return self._blocks.chunks_of(keys)
+        return self.index.locate_many(keys)[0]
+
+    def _batch(self, keys: np.ndarray, pool: batches.Pool | None, row: int) -> Any:
+        """The batch of units ``keys``: assembled into one buffer when their leaves fit,
+        else the items read one by one and collated by ``default_collate``."""
+        n = len(keys)
+        if self._blocks is not None:
+            tb = self._blocks
+            tform = Form(("leaf", 0), (Leaf("a", tb.dtype.str, (tb.block_size,)),))
+            if not batches.supported(tform):
+                return self._collated(keys, row)
+            buf, slot = self._buffer(tform, n, pool)
+            tensor = batches.wrap(tform, buf, n)
+            tb.assemble_into(
+                self._reader,
+                keys,
+                buf.numpy()[: tb.dtype.itemsize * tb.block_size * n]
+                .view(tb.dtype)
+                .reshape(n, tb.block_size),
+            )
+            return self._send(tensor, buf, slot, pool, row)
+        chunks, positions = self.index.locate_many(keys)
+        self._reader.expect(chunks, positions)  # the first batch: items by range
+        early = self._reader._early
+        if early and any(c in early for c in np.unique(chunks).tolist()):
+            return self._collated(keys, row, chunks, positions)  # items read by range
+        parts = []
+        form: Form | None = None
+        for c in np.unique(chunks).tolist():
+            sel = np.nonzero(chunks == c)[0]
+            cf = self._chunk_forms(c)
+            pos = positions[sel]
+            f = cf.form_of(pos)
+            if f is None or (form is not None and f != form):
+                return self._collated(keys, row, chunks, positions)
+            form = f
+            parts.append((cf, pos, sel))
+        assert form is not None
+        if not batches.supported(form):
+            return self._collated(keys, row, chunks, positions)
+        buf, slot = self._buffer(form, n, pool)
+        assemble_into(buf.numpy(), form, parts, n)
+        return self._send(batches.wrap(form, buf, n), buf, slot, pool, row)
+
+    def _buffer(self, form: Form, n: int, pool: batches.Pool | None) -> tuple[torch.Tensor, int]:
+        size = form.regions(self.batch_size if n <= self.batch_size else n)[1]
+        if pool is None:
+            return torch.empty(size, dtype=torch.uint8), -1
+        slot, buf = pool.take(size)
+        return buf, slot
+
+    def _send(
+        self, data: Any, buf: torch.Tensor, slot: int, pool: batches.Pool | None, row: int
+    ) -> Any:
+        batches.count(self._busy, row, "assembled")
+        return data if pool is None else pool.send(data, slot, buf)
+
+    def _collated(
+        self,
+        keys: np.ndarray,
+        row: int,
+        chunks: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+    ) -> Any:
+        """The per-item path: what a DataLoader worker collating these items returns."""
+        batches.count(self._busy, row, "collated")
+        if self._blocks is not None:
+            items = list(self._blocks.read_many(self._reader, keys))
+        else:
+            assert chunks is not None and positions is not None
+            pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
+            items = [self._reader.read(ci, pos) for ci, pos in pairs]
+        return default_collate(items)
+
+    def _chunk_forms(self, chunk: int) -> ChunkForms:
+        forms: collections.OrderedDict[int, ChunkForms] = self.__dict__["_forms"]
+        mm, offsets = self._reader.mapped(chunk)
+        cf = forms.get(chunk)
+        if cf is None or cf.buf is not mm:
+            cf = forms[chunk] = ChunkForms(mm, offsets)
+            while len(forms) > self.shuffle_window + 2:
+                forms.popitem(last=False)
+        forms.move_to_end(chunk)
+        return cf
 
     def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
         """The chunk each unit of ``keys`` starts in, and the units read one by one."""
@@ -678,6 +853,8 @@ class StreamingDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_order_cache", None)  # rebuilt where it is used
+        for key in ("_pool", "_pool_pid", "_forms"):  # a process's own
+            state.pop(key, None)
         return state
 
     def close(self) -> None:

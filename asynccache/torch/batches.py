@@ -1,0 +1,213 @@
+"""Whole batches from a DataLoader worker, in reused shared-memory buffers.
+
+A worker that assembles batches itself (see :mod:`asynccache.batchread`) writes each
+into a buffer of a small per-worker pool of shared-memory storages. torch sends a tensor
+whose storage is already shared by passing its descriptor, so a reused buffer costs no
+new shared-memory segment per batch.
+
+The rule that makes reuse safe: **a buffer is never written while the consumer may still
+hold any part of the batch in it.** Each worker has a row of busy marks in a small block
+of shared memory that the dataset created before its workers started:
+
+* the worker writes a fresh mark (its pid and a sequence number) into a slot's cell
+  before it hands the batch over, and only takes a slot whose cell is 0;
+* the main process, when it unpickles the batch, attaches a finalizer to the batch's
+  storage; when the last tensor, view or numpy array over that storage is gone the
+  finalizer clears the cell, if it still holds that batch's mark;
+* a worker that finds no free slot adds one, up to :data:`POOL_SLOTS`; past that it
+  allocates a buffer used once (as ``default_collate`` does). It never waits.
+
+What keeps a batch's buffer busy: any tensor of the batch, any view or slice of one,
+``.numpy()`` of one, or its storage. ``pin_memory`` and ``.to(device)`` copy, so the
+buffer frees as soon as the pinned / device copy is made and the batch dropped.
+
+Cells left behind by a worker process that died (a batch it sent that was never
+received) are reclaimed by the next worker process on that row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..batchread import Form
+
+POOL_SLOTS = 8  # pooled buffers per worker
+ROWS = 256  # worker rows (worker id mod ROWS)
+COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers")
+_COLS = POOL_SLOTS + len(COUNTERS)
+BLOCK_BYTES = ROWS * _COLS * 8
+
+# The busy blocks of datasets created in this process, by token (the main process
+# looks a received batch's block up here).
+_BLOCKS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def shared_bytes(n: int) -> torch.Tensor:
+    """``n`` zero bytes of shared memory (kernel-zeroed: no torch fill, which would run on
+    torch's intra-op pool, unsafe in a forked worker)."""
+    storage = torch.UntypedStorage._new_shared(max(n, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:n]
+
+
+def register(token: str, block: torch.Tensor) -> None:
+    """Make ``block`` (a dataset's busy marks) findable by batches received here."""
+    _BLOCKS[token] = block
+
+
+def table(block: torch.Tensor) -> np.ndarray:
+    """The ``(ROWS, slots + counters)`` int64 view of a busy block."""
+    return block.numpy().view(np.int64).reshape(ROWS, _COLS)
+
+
+def counters(block: torch.Tensor) -> dict[str, int]:
+    """The batch counters summed over every worker row."""
+    sums = table(block)[:, POOL_SLOTS:].sum(axis=0)
+    return {name: int(v) for name, v in zip(COUNTERS, sums, strict=True)}
+
+
+def count(block: torch.Tensor, row: int, name: str, by: int = 1) -> None:
+    table(block)[row % ROWS, POOL_SLOTS + COUNTERS.index(name)] += by
+
+
+def _free(token: str, row: int, slot: int, mark: int) -> None:
+    block = _BLOCKS.get(token)
+    if block is None:
+        return
+    cells = table(block)
+    if int(cells[row, slot]) == mark:  # else a newer worker process owns the cell now
+        cells[row, slot] = 0
+
+
+def _first_tensor(data: Any) -> torch.Tensor | None:
+    if isinstance(data, torch.Tensor):
+        return data
+    for v in data.values() if isinstance(data, dict) else data:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _received(data: Any, token: str, row: int, slot: int, mark: int) -> Any:
+    """Unpickled in the consumer: free the slot once the batch's storage is collected
+    (every leaf of the batch is a view of that one storage)."""
+    t = _first_tensor(data)
+    if t is None:  # no tensor came: nothing of the buffer is held
+        _free(token, row, slot, mark)
+        return data
+    fin = weakref.finalize(t.untyped_storage(), _free, token, row, slot, mark)
+    fin.atexit = False
+    return data
+
+
+class Pooled:
+    """A batch in a pooled buffer, as a worker hands it over: unpickles as ``data``."""
+
+    __slots__ = ("data", "mark", "row", "slot", "token")
+
+    def __init__(self, data: Any, token: str, row: int, slot: int, mark: int) -> None:
+        self.data = data
+        self.token, self.row, self.slot, self.mark = token, row, slot, mark
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received, (self.data, self.token, self.row, self.slot, self.mark))
+
+
+class Pool:
+    """One worker process's pooled buffers (see the module docstring)."""
+
+    def __init__(self, block: torch.Tensor, token: str, row: int) -> None:
+        self.block, self.token, self.row = block, token, row % ROWS
+        self.cells = table(block)[self.row, :POOL_SLOTS]
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._seq = itertools.count(1)
+        pid = os.getpid()
+        for k, mark in enumerate(self.cells.tolist()):
+            if mark and (mark >> 32 == pid or not _alive(mark >> 32)):
+                self.cells[k] = 0  # left by a dead process (or this pid's previous life)
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A free slot and its buffer of at least ``nbytes`` (slot -1: not pooled)."""
+        for k in range(POOL_SLOTS):
+            if self.cells[k] != 0:
+                continue
+            buf = self.buffers.get(k)
+            if buf is None or buf.numel() < nbytes:
+                if buf is None:
+                    count(self.block, self.row, "pooled_buffers")
+                buf = self.buffers[k] = shared_bytes(nbytes)
+            return k, buf
+        count(self.block, self.row, "unpooled_buffers")
+        return -1, shared_bytes(nbytes)
+
+    def send(self, data: Any, slot: int, buf: torch.Tensor) -> Any:
+        """``data`` (views of ``buf``), marked busy in ``slot`` until the consumer drops it."""
+        if slot < 0:
+            return data
+        mark = (os.getpid() << 32) | (next(self._seq) & 0xFFFFFFFF)
+        self.cells[slot] = mark
+        return Pooled(data, self.token, self.row, slot, mark)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_TORCH_DTYPES: dict[tuple[str, str], torch.dtype | None] = {}
+
+
+def torch_dtype(kind: str, dtype: str) -> torch.dtype | None:
+    """The torch dtype of a leaf as ``default_collate`` would make it (None: none)."""
+    key = (kind, dtype)
+    if key not in _TORCH_DTYPES:
+        got: torch.dtype | None
+        if kind == "t":
+            got = getattr(torch, dtype, None)
+            got = got if isinstance(got, torch.dtype) else None
+        elif kind == "a":
+            try:
+                got = torch.from_numpy(np.empty(0, np.dtype(dtype))).dtype
+            except (TypeError, ValueError):
+                got = None
+        else:
+            got = {"i": torch.int64, "f": torch.float64, "b": torch.bool}[kind]
+        _TORCH_DTYPES[key] = got
+    return _TORCH_DTYPES[key]
+
+
+def supported(form: Form) -> bool:
+    """Every leaf of ``form`` has a torch dtype (else the batch is collated per item)."""
+    return all(torch_dtype(leaf.kind, leaf.dtype) is not None for leaf in form.leaves)
+
+
+def wrap(form: Form, buf: torch.Tensor, batch: int) -> Any:
+    """The batch ``default_collate`` would build, as views of ``buf`` (laid out by
+    :meth:`Form.regions` for ``batch`` rows)."""
+    regions, _ = form.regions(batch)
+    tensors = []
+    for leaf, start in zip(form.leaves, regions, strict=True):
+        dt = torch_dtype(leaf.kind, leaf.dtype)
+        assert dt is not None
+        n = leaf.nbytes * batch
+        tensors.append(buf[start : start + n].view(dt).reshape(batch, *leaf.shape))
+
+    def build(node: tuple[Any, ...]) -> Any:
+        if node[0] == "leaf":
+            return tensors[node[1]]
+        if node[0] == "dict":
+            return {k: build(c) for k, c in zip(node[1], node[2], strict=True)}
+        return [build(c) for c in node[1]]
+
+    return build(form.tree)
