@@ -20,8 +20,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -44,6 +42,7 @@ from .job import (
     upload_retried,
     write_file,
 )
+from .staging import StagingDir
 
 #: Closed chunks in hand per process, at most: written in the background (in memory
 #: until written, memory <= (this + 1) x chunk_bytes) and uploaded (staging disk <= this x
@@ -94,13 +93,15 @@ class _Stager:
         self._threads = concurrent.futures.ThreadPoolExecutor(
             _STORE_THREADS, thread_name_prefix="asynccache-stage"
         )
+        self._staging: StagingDir | None = None
         self._dir: str | None = None
         self._made: set[str] = set()
         self._finisher = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="asynccache-finish"
         )
         if not self.local_root:
-            self._dir = tempfile.mkdtemp(prefix="asynccache-staging-", dir=staging_dir)
+            self._staging = StagingDir(staging_dir)  # (removes orphans of killed workers)
+            self._dir = self._staging.path
 
     def put(
         self, name: str, items: list[list[memoryview | bytes]], flags: int = 0
@@ -163,8 +164,8 @@ class _Stager:
             fut.cancel()
         self._threads.shutdown(wait=True, cancel_futures=True)
         self._finisher.shutdown(wait=True, cancel_futures=True)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._staging is not None:
+            self._staging.close()
 
 
 # Failures of the output itself, never blamed on an input.

@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -103,6 +104,16 @@ class ObjectStore:
     @property
     def region(self) -> str:
         return _REGION
+
+    @property
+    def root(self) -> Path | None:
+        """The server's own directory (data, config, log, sockets), while it runs."""
+        return None if self._tmp is None else Path(self._tmp.name)
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """The ports the server was started with, by ``weed`` option name."""
+        return dict(self._ports)
 
     @property
     def pid(self) -> int:
@@ -234,6 +245,8 @@ class ObjectStore:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # weed writes its glog files to its temp directory: keep them in ours.
+                env={**os.environ, "TMPDIR": str(root)},
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -255,10 +268,7 @@ class ObjectStore:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait(timeout=timeout_s)
-            for port in self._ports.values():
-                for leftover in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
-                    with contextlib.suppress(OSError):
-                        leftover.unlink()
+            remove_sockets(self._ports.values())
         atexit.unregister(self.stop)
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -339,6 +349,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def remove_sockets(ports: Iterable[int]) -> None:
+    """Remove the gRPC socket files ``weed`` leaves for these ports (it puts them in /tmp
+    whatever ``TMPDIR`` says, and a killed server cannot remove them)."""
+    for port in ports:
+        for leftover in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
 
 
 def _die_with_parent() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from asynccache.config import Settings
 from asynccache.errors import BridgeError
 from asynccache.storage import open_storage
 from asynccache.testing import ObjectStore, StaticHTTPServer
+from asynccache.testing.objstore import remove_sockets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,11 +126,18 @@ def test_objstore_dies_with_a_killed_parent(tmp_path):
     code = (
         "import time\n"
         "from asynccache.testing import ObjectStore\n"
-        "s = ObjectStore(); s.start(); print(s.pid, flush=True); time.sleep(120)\n"
+        "s = ObjectStore(); s.start(); print(s.pid, *s.ports.values(), flush=True)\n"
+        "time.sleep(120)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # The killed parent cannot remove the server's directory: let it land in a directory
+    # of this test (short: the server's unix sockets live in it).
+    own = Path(tempfile.mkdtemp())
+    env = {**os.environ, "TMPDIR": str(own)}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
-        pid = int(parent.stdout.readline())
+        pid, *ports = map(int, parent.stdout.readline().split())
         parent.send_signal(_signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -135,9 +145,20 @@ def test_objstore_dies_with_a_killed_parent(tmp_path):
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                return
+                break
             time.sleep(0.1)
-        raise AssertionError(f"weed {pid} outlived its killed parent")
+        else:
+            raise AssertionError(f"weed {pid} outlived its killed parent")
+        # What survived: the server's directory (nothing else of ours) and weed's gRPC
+        # sockets in /tmp, which remove_sockets clears by port.
+        left = sorted(own.iterdir())
+        assert [p.name[:20] for p in left] == ["asynccache-objstore-"], left
+        assert (left[0] / "data").is_dir()
+        socks = [p for port in ports for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
+        assert socks, "a killed weed leaves its sockets"
+        remove_sockets(ports)
+        assert not any(p.exists() for p in socks)
     finally:
         parent.kill()
         parent.stdout.close()
+        shutil.rmtree(own, ignore_errors=True)
