@@ -16,9 +16,11 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +35,7 @@ from ..errors import (
     BadIndexError,
     ConfigError,
     InputFailedError,
+    InputTimeoutError,
     WorkerDiedError,
 )
 from ..format import INDEX_NAME, Index, merge
@@ -44,8 +47,10 @@ from ..format.tokens import token_dtype
 from ..storage import Storage
 from ..writer import MERGE_STALL_S
 from . import job as jobs
+from . import watch
 from .job import JOB_KEY, WORK_PREFIX, Job, Lease, call, chunk_prefix, get_json, shard_key
-from .shard import ShardResult, write_shards
+from .shard import ShardResult, input_name, write_shards
+from .staging import sweep_orphans
 
 log = logging.getLogger(__name__)
 
@@ -443,9 +448,14 @@ def pool_context() -> Any:
     return ctx
 
 
-def _init_worker(q: Any) -> None:
+def _init_worker(q: Any, slots: Any, counter: Any) -> None:
     global _worker_queue
     _worker_queue = q
+    watch.claim_slot(slots, counter)
+
+
+def _ready() -> int:
+    return os.getpid()
 
 
 def _report(inputs: int, items: int, nbytes: int) -> None:
@@ -483,53 +493,93 @@ class _Bar:
         self.bar.close()
 
 
+class _Workers:
+    """This node's worker pool, started before the job is planned.
+
+    Its processes start (forked from the fork server, or spawned) while the lease settles
+    and the plan is read or written, not after: the pool's start overlaps the job's own.
+    Each worker takes a slot of the input clock (:mod:`.watch`) that the driver reads to
+    enforce ``input_timeout_s``.
+    """
+
+    def __init__(self, num_workers: int, staging_dir: str | None) -> None:
+        self.num_workers = num_workers
+        self.staging = staging_dir
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        if num_workers == 0:
+            return
+        ctx = pool_context()
+        self.q = ctx.Queue()
+        self.slots = ctx.RawArray("d", [watch.IDLE, 0.0] * num_workers)
+        counter = ctx.Value("i", 0)
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=num_workers,
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(self.q, self.slots, counter),
+        )
+        for _ in range(num_workers):  # start them all now (each submit starts one)
+            self.pool.submit(_ready)
+
+    def kill(self) -> None:
+        """Stop every worker now (SIGKILL: a hung ``fn`` may ignore SIGTERM), mid-shard."""
+        if self.pool is not None:
+            for p in list(getattr(self.pool, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    p.kill()
+
+    def close(self, ok: bool) -> None:
+        """Stop the pool, killing its workers at once unless ``ok``."""
+        if self.pool is not None:
+            if not ok:  # stop the other workers now rather than after their shards
+                self.kill()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.q.close()
+            self.q.join_thread()
+            if not ok:  # the staging directories of the workers just killed
+                sweep_orphans(self.staging or tempfile.gettempdir())
+
+
 def _run_shards(
     job: Job,
     fn: Callable[[Any], Any],
     inputs: Sequence[Any],
     shards: list[int],
-    num_workers: int,
-    staging_dir: str | None,
+    workers: _Workers,
     bar: _Bar,
+    input_timeout_s: float | None = None,
 ) -> list[ShardResult]:
-    """Write ``shards`` here: inline for ``num_workers == 0``, else on a process pool.
+    """Write ``shards`` here: inline for ``num_workers == 0``, else on ``workers``' pool.
 
     Each task is a run of consecutive shards (about two tasks per worker), written
     pipelined (:func:`write_shards`): a shard's last uploads overlap the next shard's
-    ``fn``; the split keeps some load balancing between workers.
+    ``fn``; the split keeps some load balancing between workers. The wait for the workers
+    is bounded by their lives (a dead one breaks the pool) and, with ``input_timeout_s``,
+    by each input's time in ``fn``.
     """
 
     def part(k: int) -> tuple[int, Sequence[Any]]:
         a, b = job.bounds(k)
         return k, inputs[a:b]
 
-    if num_workers == 0:
+    if workers.pool is None:
         return write_shards(
-            job, fn, [part(k) for k in shards], staging_dir=staging_dir, progress=bar.update
+            job, fn, [part(k) for k in shards], staging_dir=workers.staging, progress=bar.update
         )
+    num_workers, pool = workers.num_workers, workers.pool
     per_task = max(1, -(-len(shards) // (2 * num_workers)))
-    bundles = [shards[i : i + per_task] for i in range(0, len(shards), per_task)]
-    ctx = pool_context()
-    q = ctx.Queue()
+    todo = [shards[i : i + per_task] for i in range(0, len(shards), per_task)]
     results: list[ShardResult] = []
-    todo = list(bundles)
-    pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(num_workers, max(1, len(bundles))),
-        mp_context=ctx,
-        initializer=_init_worker,
-        initargs=(q,),
-    )
     pending: set[concurrent.futures.Future[list[ShardResult]]] = set()
-    ok = False
     try:
         while todo or pending:
             while todo and len(pending) < 2 * num_workers:  # bounded: inputs are pickled
                 bundle = [part(k) for k in todo.pop(0)]
-                pending.add(pool.submit(_shard_task, job, fn, bundle, staging_dir))
+                pending.add(pool.submit(_shard_task, job, fn, bundle, workers.staging))
             done, pending = concurrent.futures.wait(
                 pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED
             )
-            _drain(q, bar)
+            _drain(workers.q, bar)
             for f in done:
                 try:
                     results += f.result()
@@ -538,17 +588,26 @@ def _run_shards(
                         f"{job.url}: a worker process died (killed or out of memory); the "
                         "finished shards are kept: rerun with the same arguments to resume"
                     ) from exc
-        _drain(q, bar)
-        ok = True
-        return results
-    finally:
-        if not ok:  # stop the other workers now rather than after their shards
-            for p in list(getattr(pool, "_processes", {}).values()):
-                with contextlib.suppress(Exception):
-                    p.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        q.close()
-        q.join_thread()
+            if input_timeout_s is not None:
+                late = watch.overdue(workers.slots, input_timeout_s)
+                if late is not None:
+                    raise _timed_out(job, inputs, shards, late[0], input_timeout_s)
+    except BaseException:
+        workers.kill()  # before the caller cleans up: no worker may write after that
+        raise
+    _drain(workers.q, bar)
+    return results
+
+
+def _timed_out(
+    job: Job, inputs: Sequence[Any], shards: list[int], i: int, limit_s: float
+) -> InputTimeoutError:
+    shard = next((k for k in shards if job.bounds(k)[0] <= i < job.bounds(k)[1]), None)
+    return InputTimeoutError(
+        f"{job.url}: fn ran for more than {limit_s:g}s on {input_name(i, inputs[i])} in shard "
+        f"{shard} (input_timeout_s={limit_s:g}); its worker was stopped; the finished shards "
+        "are kept: rerun with the same arguments to resume"
+    )
 
 
 def _drain(q: Any, bar: _Bar) -> None:
@@ -574,6 +633,7 @@ def optimize(
     staging_dir: str | None = None,
     settings: Settings | None = None,
     tokens: str | None = None,
+    input_timeout_s: float | None = None,
 ) -> OptimizeResult:
     """Convert ``fn(x) for x in inputs`` into a dataset at ``output_dir``; ``index.json`` last.
 
@@ -599,12 +659,18 @@ def optimize(
         tokens: write a token dataset (docs/tokens.md): every item ``fn`` gives is a
             document, a 1-D integer array stored as raw tokens of this dtype
             (``"uint16"``, ``"int32"``, ...); read it with ``TokenBlocks``.
+        input_timeout_s: stop the job with InputTimeoutError (naming the input and its
+            shard) when ``fn`` runs longer than this on one input (all its items; waits
+            for storage not counted); its worker is killed, finished shards are kept.
+            None (default): no limit. Needs ``num_workers >= 1``.
 
     Under ``torchrun`` (an initialised process group), every rank calls it with the same
     arguments; rank 0 commits, and every rank returns once ``index.json`` is written.
 
     Raises:
         InputFailedError: ``fn`` raised on an input (named) with ``on_error="raise"``.
+        InputTimeoutError: ``fn`` ran past ``input_timeout_s`` on an input (named); a
+            rerun resumes.
         WorkerDiedError: a worker process died; a rerun resumes.
         WriteConflictError: another job is converting into ``output_dir``.
         DatasetExistsError: ``mode="create"`` and a dataset is already there.
@@ -626,11 +692,62 @@ def optimize(
                 f"fn {fn!r} cannot be sent to worker processes ({exc}); define it at module "
                 "level, or pass num_workers=0"
             ) from exc
+    _check_timeout(input_timeout_s, num_workers)
     settings = settings if settings is not None else Settings.from_env()
     rank, world, broadcast = _world()
     n = len(inputs)
     if num_shards is None:
         num_shards = max(4 * max(1, num_workers) * world, -(-n // 100_000))
+    # The pool starts now, while the lease settles and the plan is made.
+    ours = -(-(max(1, min(num_shards, n)) - rank) // world)
+    workers = _Workers(min(num_workers, max(1, ours)), staging_dir)
+    ok = False
+    try:
+        result = _optimize(
+            fn, inputs, output_dir, workers, num_shards=num_shards, size=size,
+            compression=compression, mode=mode, storage_options=storage_options,
+            on_error=on_error, settings=settings, tokens=tokens, rank=rank, world=world,
+            broadcast=broadcast, input_timeout_s=input_timeout_s,
+        )  # fmt: skip
+        ok = True
+    finally:
+        workers.close(ok)
+    return dataclasses.replace(result, seconds=time.monotonic() - started)
+
+
+def _check_timeout(input_timeout_s: float | None, num_workers: int) -> None:
+    if input_timeout_s is None:
+        return
+    if not (isinstance(input_timeout_s, (int, float)) and 0 < input_timeout_s < float("inf")):
+        raise ConfigError(
+            f"input_timeout_s must be a number of seconds > 0, got {input_timeout_s!r}"
+        )
+    if num_workers == 0:
+        raise ConfigError(
+            "input_timeout_s needs num_workers >= 1: a hung fn is stopped by ending its "
+            "worker process, and num_workers=0 runs fn in this one"
+        )
+
+
+def _optimize(
+    fn: Callable[[Any], Any],
+    inputs: Sequence[Any],
+    output_dir: str,
+    workers: _Workers,
+    *,
+    num_shards: int,
+    size: int,
+    compression: str | None,
+    mode: str,
+    storage_options: dict[str, Any] | None,
+    on_error: str,
+    settings: Settings,
+    tokens: str | None,
+    rank: int,
+    world: int,
+    broadcast: Callable[[object], object],
+    input_timeout_s: float | None,
+) -> OptimizeResult:
     run: JobRun | None = None
     shipped: Any
     if rank == 0:
@@ -667,10 +784,18 @@ def optimize(
     beat = _start_beat(job, rank) if world > 1 and rank != 0 and mine else None
     try:
         try:
-            results = _run_shards(job, fn, inputs, mine, num_workers, staging_dir, bar)
+            results = _run_shards(job, fn, inputs, mine, workers, bar, input_timeout_s)
         finally:
             if beat is not None:
                 beat.stop()
+    except InputTimeoutError as exc:  # (not discarded: the hang may pass; a rerun resumes)
+        bar.close()
+        if world > 1:
+            with contextlib.suppress(Exception):
+                _post_failure(job, rank, str(exc), "timeout")
+        if run is not None:
+            run.close()
+        raise
     except InputFailedError as exc:
         bar.close()
         if run is not None:
@@ -716,7 +841,7 @@ def optimize(
         skipped=int(index.config.get("skipped_inputs", 0)),
         errors=tuple(index.config.get("skipped_errors", ())),
         resumed_shards=len(job.done),
-        seconds=time.monotonic() - started,
+        seconds=0.0,
     )
 
 
@@ -755,7 +880,8 @@ def _read_committed(storage: Storage) -> Index:
 
 
 def _post_failure(job: Job, rank: int, message: str, kind: str) -> None:
-    """Tell the other ranks this rank stopped: ``kind`` "input" (fn failed) or "stopped"."""
+    """Tell the other ranks this rank stopped: ``kind`` "input" (fn failed), "timeout" (fn
+    ran past ``input_timeout_s``) or "stopped"."""
     storage = job.open_storage()
     doc = {"error": message, "kind": kind, "rank": rank}
     try:
@@ -771,6 +897,8 @@ def _raise_failure(storage: Storage, job: Job, key: str) -> None:
     message = str(doc.get("error", f"{storage.object_url(key)}: a rank stopped"))
     if doc.get("kind", "input") == "input":
         raise InputFailedError(message)
+    if doc.get("kind") == "timeout":
+        raise InputTimeoutError(message)
     raise WorkerDiedError(
         f"{job.url}: rank {doc.get('rank')} stopped ({message}); the finished shards are "
         "kept: rerun with the same arguments to resume"

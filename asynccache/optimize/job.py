@@ -24,6 +24,7 @@ Layer: storage, format, errors; used by the optimize driver and the per-shard AP
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -43,7 +44,12 @@ from .. import indexfile
 from ..bridge import get_loop_thread
 from ..config import Settings
 from ..download.retry import RetryPolicy
-from ..errors import ObjectNotFoundError, TransientError, WriteConflictError
+from ..errors import (
+    ObjectNotFoundError,
+    StorageTimeoutError,
+    TransientError,
+    WriteConflictError,
+)
 from ..format import INDEX_NAME, Index
 from ..fsutil import fsync_dir, publishing
 from ..storage import Storage, open_storage
@@ -78,9 +84,23 @@ def shard_key(gen: str, shard: int) -> str:
     return f"{WORK_PREFIX}/{gen}/shard-{shard:06d}.index.json"
 
 
-def call(coro: Any, timeout: float = IO_BOUND_S) -> Any:
-    """Run a storage coroutine on this process's I/O thread and wait for it."""
-    return get_loop_thread().call(coro, timeout)
+def call(coro: Any, timeout: float = IO_BOUND_S, what: str | None = None) -> Any:
+    """Run a storage coroutine on this process's I/O thread and wait at most ``timeout``.
+
+    Past the bound the coroutine is cancelled and StorageTimeoutError raised, naming
+    ``what`` (the object being stored) when given.
+    """
+    loop = get_loop_thread()
+    if what is None:
+        return loop.call(coro, timeout)
+    fut = loop.submit(coro)
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError as exc:
+        if fut.done():  # the coroutine's own error (it may be a TimeoutError too)
+            raise
+        fut.cancel()
+        raise StorageTimeoutError(f"{what}: did not finish within {timeout:.0f}s") from exc
 
 
 async def upload_retried(storage: Storage, src: str, key: str, settings: Settings) -> int:
@@ -117,6 +137,14 @@ async def put_bytes(
     if path is not None:
         await asyncio.to_thread(_put_local, path, data, settings.durable)
         return
+    if hasattr(os, "memfd_create"):  # no file to leave behind, even if killed meanwhile
+        fd = os.memfd_create("asynccache-put", os.MFD_CLOEXEC)
+        try:
+            _write_all(fd, data)
+            await upload_retried(storage, f"/proc/self/fd/{fd}", key, settings)
+        finally:
+            os.close(fd)
+        return
     fd, tmp = tempfile.mkstemp(prefix="asynccache-put-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -125,6 +153,12 @@ async def put_bytes(
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
 
 
 def write_file(

@@ -22,15 +22,22 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._version import __version__
 from ..config import Settings
-from ..errors import CacheError, ConfigError, InputFailedError, StorageError
+from ..errors import (
+    CacheError,
+    ConfigError,
+    InputFailedError,
+    StorageError,
+    StorageTimeoutError,
+)
 from ..format import ChunkEntry, Index, build, encode, encoded_size
 from ..format.index import format_checksum, new_hasher
 from ..format.tokens import encode_tokens, flags_for, token_dtype
 from ..storage import Storage
+from . import watch
 from .job import (
     IO_BOUND_S,
     Job,
@@ -54,6 +61,21 @@ _STORE_THREADS = 2
 MAX_REPORTED = 20
 
 Progress = Callable[[int, int, int], None]  # (inputs, items, bytes) done since last call
+
+T = TypeVar("T")
+
+
+def wait_for(fut: concurrent.futures.Future[T], what: str, timeout: float = IO_BOUND_S) -> T:
+    """``fut.result`` bounded by ``timeout``; past it, StorageTimeoutError naming ``what``.
+
+    (An error ``fut`` itself ended with is raised as it is, even a TimeoutError.)
+    """
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError as exc:
+        if fut.done():
+            raise
+        raise StorageTimeoutError(f"{what} was not stored within {timeout:.0f}s") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +109,7 @@ class _Stager:
         self.storage, self.settings = storage, settings
         self.local_root = storage.local_path("x") is not None
         self.limit = max(1, limit)
-        self._pending: collections.deque[concurrent.futures.Future[tuple[int, str]]] = (
+        self._pending: collections.deque[tuple[str, concurrent.futures.Future[tuple[int, str]]]] = (
             collections.deque()
         )
         self._threads = concurrent.futures.ThreadPoolExecutor(
@@ -108,10 +130,13 @@ class _Stager:
     ) -> concurrent.futures.Future[tuple[int, str]]:
         """Store a chunk of ``items`` (chunk header ``flags``); the future gives its
         ``(size, checksum)``."""
-        while len(self._pending) >= self.limit:  # the staging bound
-            self._pending.popleft().result(IO_BOUND_S)
+        if len(self._pending) >= self.limit:  # the staging bound: wait for the oldest
+            with watch.clock().paused():  # (storage's time, not fn's)
+                while len(self._pending) >= self.limit:
+                    oldest, fut = self._pending.popleft()
+                    wait_for(fut, self.storage.object_url(oldest))
         fut = self._threads.submit(self._store, name, items, flags)
-        self._pending.append(fut)
+        self._pending.append((name, fut))
         return fut
 
     def _store(
@@ -135,7 +160,11 @@ class _Stager:
         path = os.path.join(self._dir, name)
         size = write_file(path, build(items, flags), hasher=hasher)
         try:
-            call(upload_retried(self.storage, path, name, self.settings), IO_BOUND_S)
+            call(
+                upload_retried(self.storage, path, name, self.settings),
+                IO_BOUND_S,
+                what=self.storage.object_url(name),
+            )
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -160,7 +189,7 @@ class _Stager:
             raise CacheError(f"cannot flush {paths[0]} to disk: {exc.strerror}") from exc
 
     def close(self) -> None:
-        for fut in self._pending:
+        for _, fut in self._pending:
             fut.cancel()
         self._threads.shutdown(wait=True, cancel_futures=True)
         self._finisher.shutdown(wait=True, cancel_futures=True)
@@ -181,7 +210,12 @@ def _outputs(fn: Callable[[Any], Any], x: Any) -> Iterable[Any]:
     return (out,)
 
 
-def _name(i: int, x: Any) -> str:
+def _shard_what(job: Job, k: int) -> str:
+    return f"{job.url}: shard {k} (its chunks and shard index)"
+
+
+def input_name(i: int, x: Any) -> str:
+    """``input #i (repr)``, the repr cut at 200 characters: how errors name an input."""
     text = repr(x)
     return f"input #{i} ({text if len(text) <= 200 else text[:200] + '...'})"
 
@@ -252,11 +286,13 @@ def write_shards(
     try:
         for k, inputs in shards:
             if len(finishing) >= 2:  # at most one shard finishes behind: a killed
-                finishing[-2].result(IO_BOUND_S)  # worker loses at most 2 shards' work
+                wait_for(finishing[-2], _shard_what(job, shards[len(finishing) - 2][0]))
             shard = _Shard(job, fn, k, inputs, stager, report, progress)
             shard.produce(finishing)
             finishing.append(stager.finish(shard.finish))
-        results = [f.result(IO_BOUND_S) for f in finishing]
+        results = [
+            wait_for(f, _shard_what(job, k)) for f, (k, _) in zip(finishing, shards, strict=True)
+        ]
     finally:
         stager.close()
         with contextlib.suppress(Exception):
@@ -325,10 +361,12 @@ class _Shard:
         start = job.bounds(self.shard)[0]
         skip = job.on_error == "skip"
         compression = job.compression
+        clock = watch.clock()
         last_report = time.monotonic()
         for j, x in enumerate(self.inputs):
             failed: Exception | None = None
             encoded: list[list[memoryview | bytes]] = []
+            clock.begin(start + j)
             try:
                 for o in _outputs(fn, x):
                     if self.dtype is not None:
@@ -344,8 +382,10 @@ class _Shard:
                 raise
             except Exception as exc:
                 failed = exc
+            finally:
+                clock.end()
             if failed is not None:
-                what = f"{_name(start + j, x)}: {type(failed).__name__}: {failed}"
+                what = f"{input_name(start + j, x)}: {type(failed).__name__}: {failed}"
                 if not skip:
                     raise InputFailedError(f"fn failed on {what}") from failed
                 self.skipped += 1
@@ -374,7 +414,7 @@ class _Shard:
         job = self.job
         chunks = []
         for name, count, first, tokens, fut in self.entries:
-            size, checksum = fut.result(IO_BOUND_S)
+            size, checksum = wait_for(fut, self.stager.storage.object_url(name))
             chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),), tokens))
         self.stager.sync([name for name, *_ in self.entries])
         config = {
@@ -388,12 +428,11 @@ class _Shard:
         if job.tokens is not None:
             config["token_dtype"] = job.tokens
         idx = Index(tuple(chunks), config, self.shard, job.gen)
+        key = shard_key(job.gen, self.shard)
         call(
-            put_bytes(
-                self.stager.storage, shard_key(job.gen, self.shard), idx.to_json().encode(),
-                job.settings,
-            )
-        )  # fmt: skip
+            put_bytes(self.stager.storage, key, idx.to_json().encode(), job.settings),
+            what=self.stager.storage.object_url(key),
+        )
         self.result = ShardResult(
             self.shard, len(self.inputs), self.items, sum(c.bytes for c in chunks),
             len(chunks), self.skipped, tuple(self.errors),

@@ -98,3 +98,14 @@ def die_on_85(i: int) -> Any:
     if i == 85:
         os.kill(os.getpid(), signal.SIGKILL)
     return {"i": i}
+
+
+def hang_on_3(x: tuple[int, str]) -> Any:
+    """Input 3 hangs (``time.sleep(1e6)``) after writing its pid to ``<log_dir>/hung``."""
+    i, log_dir = x
+    if i == 3:
+        with open(os.path.join(log_dir, "hung.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(log_dir, "hung.tmp"), os.path.join(log_dir, "hung"))
+        time.sleep(1e6)
+    return {"i": i}
