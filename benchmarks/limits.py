@@ -450,8 +450,9 @@ def anon_regions(pid: int, min_rss: int = 0) -> list[Region]:
 class ChunkBytesFinder:
     """Tells whether memory holds bytes of given files (incompressible data), at any alignment.
 
-    It keeps the 8-byte word at every ``stride``-th offset of the files; a copy of at
-    least ``stride + 8`` contiguous bytes of a file holds one of them somewhere, and
+    It keeps the 8-byte word at every ``stride``-th offset of the files (past the first
+    ``stride`` bytes, and only words found once: payload, not headers); a copy of at least
+    ``stride + 8`` contiguous payload bytes holds one of them somewhere, and
     :meth:`count` looks for them at every byte offset of a buffer (a 2^24-bit
     prefilter, then an exact lookup). Random data makes a chance match vanishingly rare.
     """
@@ -463,12 +464,14 @@ class ChunkBytesFinder:
         keys = []
         for path in paths:
             data = np.fromfile(path, dtype=np.uint8)
+            data = data[stride:]  # the first page holds the file's header, alike in every file
             n = (len(data) - 8) // stride + 1 if len(data) >= 8 else 0
             if n:
                 words = np.lib.stride_tricks.as_strided(data, shape=(n, 8), strides=(stride, 1))
                 keys.append(np.ascontiguousarray(words).view(np.uint64).ravel())
-        self.keys = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.uint64)
-        self.keys = self.keys[self.keys != 0]  # zero pages are everywhere
+        words = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+        unique, counts = np.unique(words, return_counts=True)
+        self.keys = unique[counts == 1]  # a word seen twice is structure, not payload
         self._filter = np.zeros(1 << 24, dtype=bool)
         self._filter[(self.keys & np.uint64((1 << 24) - 1)).astype(np.intp)] = True
         self.stride = stride
@@ -511,7 +514,7 @@ class PssSampler:
     PSS shares each page among the processes that map it, so forked workers and a file
     mapped by several of them are counted once. ``peak`` holds each total's peak (each
     taken at its own moment); ``at_peak`` the whole sample at the moment of the highest
-    ``Pss``. With ``regions_min`` set, every ``regions_every``-th sample also lists the
+    ``Pss``, and ``at_peak_by_pid`` each process's share of it. With ``regions_min`` set, every ``regions_every``-th sample also lists the
     anonymous mappings of at least that many resident bytes (``largest`` keeps the biggest
     seen, ``regions`` every one by pid and address), and ``finder``, if given, scans each
     mapping when first seen and again when it has grown by a quarter (``found``: the
@@ -538,6 +541,7 @@ class PssSampler:
         self.finder = finder
         self.peak: dict[str, int] = dict.fromkeys(ROLLUP_FIELDS, 0)
         self.at_peak: dict[str, int] = dict.fromkeys(ROLLUP_FIELDS, 0)
+        self.at_peak_by_pid: dict[int, dict[str, int]] = {}
         self.samples = 0
         self.largest: Region | None = None
         self.regions: dict[tuple[int, int], Region] = {}
@@ -549,14 +553,16 @@ class PssSampler:
         """One sample now: the tree's totals (bytes), folded into the peaks."""
         pids = tree_pids(self.root, self.exclude)
         total = dict.fromkeys(ROLLUP_FIELDS, 0)
+        each = {}
         for pid in pids:
             r = rollup(pid)
+            each[pid] = {k: r.get(k, 0) for k in ROLLUP_FIELDS}
             for k in ROLLUP_FIELDS:
                 total[k] += r.get(k, 0)
         for k in ROLLUP_FIELDS:
             self.peak[k] = max(self.peak[k], total[k])
         if total["Pss"] >= self.at_peak["Pss"]:
-            self.at_peak = total
+            self.at_peak, self.at_peak_by_pid = total, each
         if self.regions_min and self.samples % self.regions_every == 0:
             self._look_at_regions(pids)
         self.samples += 1
