@@ -820,6 +820,8 @@ def _optimize(
                 _clean_after_commit(run.storage, job, index)
             else:
                 index = run.merge(world=world)
+        except InputTimeoutError:  # another rank's fn hung: its finished shards are kept
+            raise
         except InputFailedError:
             run.discard()
             raise

@@ -33,9 +33,10 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                 settings=Settings.from_env(progress=False),
             )
         except AsyncCacheError as exc:
+            doc = {"error": str(exc), "type": type(exc).__name__}
+            doc["staged_left"] = sorted(os.listdir(own))  # (before result.json is made)
             with open(os.path.join(own, "result.json"), "w") as f:
-                doc = {"error": str(exc), "type": type(exc).__name__}
-                json.dump({**doc, "staged_left": sorted(os.listdir(own))}, f)
+                json.dump(doc, f)
             return
         out = {
             "inputs": res.inputs,

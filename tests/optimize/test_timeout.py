@@ -63,3 +63,36 @@ def test_input_timeout_needs_worker_processes(tmp_path):
     with pytest.raises(ConfigError, match="input_timeout_s"):
         optimize(helpers.items, [1], str(tmp_path / "o"), num_workers=1, input_timeout_s=0,
                  settings=QUIET)  # fmt: skip
+
+
+def test_rank_0_raises_another_ranks_timeout_and_keeps_the_finished_shards(tmp_path, monkeypatch):
+    """Rank 0 of 2 (here: this process, its group stood in by ``_world``) gets rank 1's
+    timeout marker while it waits for rank 1's shards: the same InputTimeoutError, and
+    nothing discarded (a raising fn's marker would discard the job)."""
+    from asynccache.optimize import api
+
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(api, "_world", lambda: (0, 2, lambda v: v))
+    posted: list[str] = []
+
+    def fn(i: int):
+        if not posted:  # rank 1 reports its hung input, as its driver does
+            job = api.Job(out, _gen(out), "", 8, 4, "", 1, None, "create")
+            api._post_failure(job, 1, f"{out}: fn ran for more than 1s on input #7", "timeout")
+            posted.append(job.gen)
+        return {"i": i}
+
+    with pytest.raises(InputTimeoutError, match="more than 1s on input #7"):
+        optimize(fn, list(range(8)), out, num_workers=0, num_shards=4, settings=QUIET)
+    assert posted  # the marker was posted
+    work = os.path.join(out, "_optimize", posted[0])
+    kept = sorted(n for n in os.listdir(work) if n.startswith("shard-"))
+    assert kept == ["shard-000000.index.json", "shard-000002.index.json"]  # rank 0's shards
+    assert not os.path.exists(os.path.join(out, "index.json"))
+
+
+def _gen(out: str) -> str:
+    import json
+
+    with open(os.path.join(out, "_optimize", "job.json")) as f:
+        return json.load(f)["gen"]
