@@ -249,6 +249,11 @@ def open_mosaic(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any
         shuffle_seed=seed,
         batch_size=s.batch,
     )
+    # Opening read the index with a boto3 client that the forked workers would inherit with
+    # its pooled connection; two processes reading one socket stall a GET until botocore's
+    # 60 s read timeout (seen in one epoch of two). Drop it: each worker makes its own.
+    for stream in ds.streams:
+        stream._downloader.clean_up()
     return DataLoader(ds, batch_size=s.batch, num_workers=s.workers)
 
 
