@@ -217,7 +217,8 @@ class ChunkForms:
                 continue
             self._parse_one(p)
             if self._size and self.form_id[p] >= 0:
-                self._copy_same_headers(p, todo)
+                # Every item of the chunk not parsed yet whose header is this one's.
+                self._copy_same_headers(p, np.flatnonzero(self.form_id == -2))
 
     def _parse_one(self, p: int) -> None:
         a, b = int(self.offsets[p]), int(self.offsets[p + 1])
@@ -242,8 +243,8 @@ class ChunkForms:
         self.form_id[p] = fid
 
     def _copy_same_headers(self, p: int, todo: np.ndarray) -> None:
-        """Items of ``todo`` whose header bytes equal item ``p``'s share its form and
-        scalar values; their array offsets are item ``p``'s shifted by the distance."""
+        """Items of ``todo`` (not parsed yet) whose header bytes equal item ``p``'s share
+        its form and scalar values; their array offsets are ``p``'s shifted by the distance."""
         rest = todo[self.form_id[todo] == -2]
         if not len(rest):
             return
@@ -277,6 +278,9 @@ class ChunkForms:
 
     def leaf_data(self, form: Form, positions: np.ndarray, leaf: int) -> np.ndarray:
         """Leaf ``leaf`` of items ``positions``: absolute offsets (int64) or values."""
+        for fid, f in enumerate(self.forms):  # (by identity first: a form hashes deeply)
+            if f is form:
+                return self.tables[fid][leaf][positions]
         return self.tables[self._index[form]][leaf][positions]
 
 

@@ -238,7 +238,8 @@ def measure_ceiling(
 def run(args: argparse.Namespace) -> None:
     settings = Settings.from_env(progress=False)
     chunk_bytes = args.chunk_mb << 20
-    item_bytes = args.item_kb << 10
+    item_bytes = args.item_bytes or args.item_kb << 10
+    total_bytes = args.items * item_bytes if args.items else args.total_mb << 20
     per_chunk = -(-chunk_bytes // settings.part_bytes)
     concurrency = args.get_concurrency or args.workers * max(
         1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
@@ -248,11 +249,9 @@ def run(args: argparse.Namespace) -> None:
     try:
         with ObjectStore(volume_size_limit_mb=1024) as store:
             t0 = time.perf_counter()
-            served = serve(
-                store, work, args.total_mb << 20, item_bytes, chunk_bytes, settings.part_bytes
-            )
+            served = serve(store, work, total_bytes, item_bytes, chunk_bytes, settings.part_bytes)
             print(
-                f"dataset: {served.n_items} items x {args.item_kb} KiB, "
+                f"dataset: {served.n_items} items x {item_bytes / 1024:g} KiB, "
                 f"{served.payload / 2**20:,.0f} MiB in {len(served.parts)} GET parts of at most "
                 f"{settings.part_bytes >> 20} MiB, chunks of {args.chunk_mb} MiB; written and "
                 f"uploaded in {time.perf_counter() - t0:.1f} s; SeaweedFS pid {store.pid}",
@@ -311,7 +310,8 @@ def report(
     cores = limits.cores()
     mib = 2**20
     print(
-        f"\nstreaming epoch: {n} items x {args.item_kb} KiB ({served.payload / mib:,.0f} MiB), "
+        f"\nstreaming epoch: {n} items x {served.item_bytes / 1024:g} KiB "
+        f"({served.payload / mib:,.0f} MiB), "
         f"chunks {args.chunk_mb} MiB, batch {args.batch}, workers {args.workers}, raw GET "
         f"concurrency {concurrency}, median (min-max) of {args.reps}; {cores} cores; "
         f"load {limits.loadavg()}"
@@ -354,12 +354,15 @@ def report(
             ]
             print("| " + " | ".join(cells) + " |")
     print(
-        "\n| shuffle | cold / (i) | cold / (iv) | warm / min((ii), (iii)) "
-        "| cold first batch / (iii)'s | warm first batch / (iii)'s |"
+        "\n| shuffle | cold / (i) | cold / (iv) | warm / min((ii), (iii)) | warm / (iii) "
+        "| cold first batch / (iii)'s | warm first batch / (iii)'s "
+        "| client CPU s/GiB cold | (iii) CPU s/GiB | cold / (iii) CPU |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    gib = served.payload / 2**30
     for m in modes:
         r_i, r_iv, r_w, f_c, f_w = [], [], [], [], []
+        r_w3, cpu_c, cpu_3, cpu_r = [], [], [], []
         for g, rd, c, cold, warm in zip(
             m.raw_get, m.raw_read, m.ceiling, m.cold, m.warm, strict=True
         ):
@@ -369,7 +372,13 @@ def report(
             r_w.append(warm.rate / min(n / rd, c.rate))
             f_c.append(cold.first_batch_s / c.first_batch_s)
             f_w.append(warm.first_batch_s / c.first_batch_s)
-        cells = [limits.cell(x, ".2f") for x in (r_i, r_iv, r_w, f_c, f_w)]
+            r_w3.append(warm.rate / c.rate)
+            cpu_c.append(cold.cpu_client / gib)
+            cpu_3.append(c.cpu_client / gib)
+            cpu_r.append(cold.cpu_client / c.cpu_client)
+        cells = [
+            limits.cell(x, ".2f") for x in (r_i, r_iv, r_w, r_w3, f_c, f_w, cpu_c, cpu_3, cpu_r)
+        ]
         print(f"| {'on' if m.shuffle else 'off'} | " + " | ".join(cells) + " |")
     print(
         f"\nwhole run, getrusage ru_maxrss: this process {self_rss / mib:,.0f} MiB, largest "
@@ -382,6 +391,10 @@ def main() -> None:
     ap.add_argument("--total-mb", type=int, default=1024, help="dataset size, MiB")
     ap.add_argument("--chunk-mb", type=int, default=64, help="chunk size, MiB")
     ap.add_argument("--item-kb", type=int, default=100, help="item size, KiB")
+    ap.add_argument(
+        "--item-bytes", type=int, default=0, help="item size in bytes (beats --item-kb)"
+    )
+    ap.add_argument("--items", type=int, default=0, help="item count (beats --total-mb)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)

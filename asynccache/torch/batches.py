@@ -38,7 +38,8 @@ import torch
 from ..batchread import Form
 
 POOL_SLOTS = 8  # pooled buffers per worker
-ROWS = 256  # worker rows (worker id mod ROWS)
+ROWS = 256  # worker rows (worker id mod ROWS - 1; the last row: the main process)
+MAIN_ROW = ROWS - 1
 COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers")
 _COLS = POOL_SLOTS + len(COUNTERS)
 BLOCK_BYTES = ROWS * _COLS * 8
@@ -122,10 +123,15 @@ class Pooled:
 class Pool:
     """One worker process's pooled buffers (see the module docstring)."""
 
-    def __init__(self, block: torch.Tensor, token: str, row: int) -> None:
+    def __init__(self, block: torch.Tensor, token: str, row: int, here: bool = False) -> None:
         self.block, self.token, self.row = block, token, row % ROWS
         self.cells = table(block)[self.row, :POOL_SLOTS]
         self.buffers: dict[int, torch.Tensor] = {}
+        # here: the consumer is this process. The buffers are plain memory, and each batch
+        # gets a storage of its own over its buffer (the pool holds the buffer, not that
+        # storage, so the storage's end is the consumer letting go).
+        self.here = here
+        self.memory: dict[int, np.ndarray] = {}
         self._seq = itertools.count(1)
         pid = os.getpid()
         for k, mark in enumerate(self.cells.tolist()):
@@ -137,6 +143,13 @@ class Pool:
         for k in range(POOL_SLOTS):
             if self.cells[k] != 0:
                 continue
+            if self.here:
+                mem = self.memory.get(k)
+                if mem is None or mem.size < nbytes:
+                    if mem is None:
+                        count(self.block, self.row, "pooled_buffers")
+                    mem = self.memory[k] = np.empty(nbytes, np.uint8)
+                return k, torch.from_numpy(mem)
             buf = self.buffers.get(k)
             if buf is None or buf.numel() < nbytes:
                 if buf is None:
@@ -144,14 +157,19 @@ class Pool:
                 buf = self.buffers[k] = shared_bytes(nbytes)
             return k, buf
         count(self.block, self.row, "unpooled_buffers")
+        if self.here:
+            return -1, torch.empty(nbytes, dtype=torch.uint8)
         return -1, shared_bytes(nbytes)
 
-    def send(self, data: Any, slot: int, buf: torch.Tensor) -> Any:
-        """``data`` (views of ``buf``), marked busy in ``slot`` until the consumer drops it."""
+    def send(self, data: Any, slot: int) -> Any:
+        """``data`` (views of slot ``slot``'s buffer), marked busy until the consumer drops
+        it."""
         if slot < 0:
             return data
         mark = (os.getpid() << 32) | (next(self._seq) & 0xFFFFFFFF)
         self.cells[slot] = mark
+        if self.here:
+            return _received(data, self.token, self.row, slot, mark)
         return Pooled(data, self.token, self.row, slot, mark)
 
 

@@ -464,8 +464,9 @@ class StreamingDataset(IterableDataset[Any]):
         order = self._order()
         self._plan_epoch(pr, world, logical)
         self._yielded = 0
-        if self._batch_mode is not None:
-            yield from self._iter_batches(order, segments, self._batch_mode)
+        batch_mode = getattr(self, "_batch_mode", None)  # (a MixedDataset has none)
+        if batch_mode is not None:
+            yield from self._iter_batches(order, segments, batch_mode)
             return
         try:
             for seg in segments:
@@ -513,17 +514,18 @@ class StreamingDataset(IterableDataset[Any]):
         order, that a DataLoader collating its items with ``default_collate`` makes."""
         bs = self.batch_size
         info = get_worker_info()
-        row = 0 if info is None else info.id
-        pool = None
-        if info is not None:  # a worker: batches go to the main process in pooled buffers
-            pool = self.__dict__.get("_pool")
-            if (
-                pool is None
-                or pool.block is not self._busy
-                or self.__dict__.get("_pool_pid") != os.getpid()
-            ):
-                pool = self.__dict__["_pool"] = batches.Pool(self._busy, self._busy_token, row)
-                self.__dict__["_pool_pid"] = os.getpid()
+        # A worker's row of busy marks (the main process, iterating itself: the last row).
+        row = batches.MAIN_ROW if info is None else info.id % batches.MAIN_ROW
+        pool = self.__dict__.get("_pool")
+        if (
+            pool is None
+            or pool.block is not self._busy
+            or self.__dict__.get("_pool_pid") != os.getpid()
+        ):
+            pool = self.__dict__["_pool"] = batches.Pool(
+                self._busy, self._busy_token, row, here=info is None
+            )
+            self.__dict__["_pool_pid"] = os.getpid()
         self.__dict__["_forms"] = collections.OrderedDict()
         pending: list[np.ndarray] = []
         held = 0
@@ -561,7 +563,7 @@ class StreamingDataset(IterableDataset[Any]):
             return self._blocks.chunks_of(keys)
         return self.index.locate_many(keys)[0]
 
-    def _batch(self, keys: np.ndarray, pool: batches.Pool | None, row: int) -> Any:
+    def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
         """The batch of units ``keys``: assembled into one buffer when their leaves fit,
         else the items read one by one and collated by ``default_collate``."""
         n = len(keys)
@@ -603,18 +605,13 @@ class StreamingDataset(IterableDataset[Any]):
         assemble_into(buf.numpy(), form, parts, n)
         return self._send(batches.wrap(form, buf, n), buf, slot, pool, row)
 
-    def _buffer(self, form: Form, n: int, pool: batches.Pool | None) -> tuple[torch.Tensor, int]:
-        size = form.regions(self.batch_size if n <= self.batch_size else n)[1]
-        if pool is None:
-            return torch.empty(size, dtype=torch.uint8), -1
-        slot, buf = pool.take(size)
+    def _buffer(self, form: Form, n: int, pool: batches.Pool) -> tuple[torch.Tensor, int]:
+        slot, buf = pool.take(form.regions(max(n, self.batch_size))[1])
         return buf, slot
 
-    def _send(
-        self, data: Any, buf: torch.Tensor, slot: int, pool: batches.Pool | None, row: int
-    ) -> Any:
+    def _send(self, data: Any, buf: torch.Tensor, slot: int, pool: batches.Pool, row: int) -> Any:
         batches.count(self._busy, row, "assembled")
-        return data if pool is None else pool.send(data, slot, buf)
+        return pool.send(data, slot)
 
     def _collated(
         self,
