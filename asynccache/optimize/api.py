@@ -19,8 +19,10 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -448,10 +450,30 @@ def pool_context() -> Any:
     return ctx
 
 
-def _init_worker(q: Any, slots: Any, counter: Any) -> None:
+def _init_worker(q: Any, slots: Any, counter: Any, driver: int) -> None:
     global _worker_queue
     _worker_queue = q
     watch.claim_slot(slots, counter)
+    threading.Thread(
+        target=_exit_with, args=(driver,), name="asynccache-driver-watch", daemon=True
+    ).start()
+
+
+def _exit_with(driver: int) -> None:
+    """End this worker once the driver process is gone (killed outright, say).
+
+    A pool worker otherwise outlives it: it finishes its shards for nobody, then waits
+    for a next task forever. A pidfd (readable when that very process exits, whatever
+    reuses its pid) where the platform has one, else a check every second.
+    """
+    try:
+        fd = os.pidfd_open(driver)
+    except (AttributeError, OSError):  # no pidfd here, or the driver is gone already
+        while jobs.pid_alive(driver):
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])
+    os._exit(70)  # (EX_SOFTWARE) its staging directory is swept by the next worker there
 
 
 def _ready() -> int:
@@ -516,7 +538,7 @@ class _Workers:
             max_workers=num_workers,
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(self.q, self.slots, counter),
+            initargs=(self.q, self.slots, counter, os.getpid()),
         )
         for _ in range(num_workers):  # start them all now (each submit starts one)
             self.pool.submit(_ready)

@@ -347,7 +347,7 @@ class Job:
 # -- the lease ----------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -365,7 +365,7 @@ def lease_is_live(doc: Mapping[str, Any], now: float, ttl_s: float) -> bool:
     if doc.get("released"):
         return False
     pid = doc.get("pid")
-    if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+    if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return False
     beat = doc.get("heartbeat")
     return isinstance(beat, (int, float)) and now - beat < ttl_s
@@ -550,7 +550,7 @@ class PeerWatch:
             since = now
         pid = doc.get("pid") if doc else None
         here = doc is not None and doc.get("host") == socket.gethostname()
-        if here and isinstance(pid, int) and not _pid_alive(pid):
+        if here and isinstance(pid, int) and not pid_alive(pid):
             return f"its process (pid {pid} on this host) is gone"
         if now - since > self.ttl_s:
             what = "no heartbeat" if doc is None else "no new heartbeat"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,6 +72,15 @@ def check_once(url: str, so, cache_dir) -> None:
         ds.close()
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_kill_9_of_the_whole_job_then_rerun_resumes(objstore, bucket, tmp_path):
     url, so = f"s3://{bucket}/ds", objstore.storage_options
     log_dir = str(tmp_path / "log")
@@ -81,8 +91,14 @@ def test_kill_9_of_the_whole_job_then_rerun_resumes(objstore, bucket, tmp_path):
         # shards 0-2 finish, then shard 3 hangs on input 30: the job is killed there
         wait_for(lambda: os.path.exists(os.path.join(log_dir, "hanging")), "input 30")
         wait_for(lambda: len(finished_shards(url, so)) == 3, "3 finished shards")
+        worker = int(next(n for n in os.listdir(log_dir) if n.startswith("ran-"))[4:])
+        assert running(worker)
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only: its worker must follow it
+        proc.wait(30)
+        wait_for(lambda: not running(worker), "the worker to exit after its driver")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the rest of its group (fork server)
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     assert "index.json" not in keys(url, so)
