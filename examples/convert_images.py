@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--mode", default="overwrite", choices=["create", "overwrite", "append"])
+    ap.add_argument("--input-timeout", type=float, default=600.0,
+                    help="stop when one image takes longer than this, in seconds (a hung mount)")  # fmt: skip
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="convert-images-"))
@@ -75,7 +77,8 @@ def main() -> None:
         out, options = "s3://images/demo", store.storage_options
     try:
         res = optimize(load, files, out, num_workers=args.workers, chunk_bytes="64MB",
-                       mode=args.mode, storage_options=options)  # fmt: skip
+                       mode=args.mode, storage_options=options,
+                       input_timeout_s=args.input_timeout if args.workers else None)  # fmt: skip
         print(
             f"{out}: {res.index.total_items} items in {len(res.index.chunks)} chunks, "
             f"{res.bytes / 2**20:.1f} MiB written in {res.seconds:.1f} s "
