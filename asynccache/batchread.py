@@ -337,9 +337,12 @@ def copy_rows(
         anchor = int(offs[0]) - int(pos[0]) * stride
         if anchor >= 0 and np.array_equal(offs, anchor + pos * stride):
             count = int(pos.max()) + 1
-            view = np.lib.stride_tricks.as_strided(
-                src[anchor:], shape=(count, n), strides=(stride, 1), writeable=False
-            )
+            if anchor + count * stride <= len(src):  # rows of a plain reshape (cheaper)
+                view = src[anchor : anchor + count * stride].reshape(count, stride)[:, :n]
+            else:
+                view = np.lib.stride_tricks.as_strided(
+                    src[anchor:], shape=(count, n), strides=(stride, 1), writeable=False
+                )
             r0 = int(sel[0])
             if int(sel[-1]) - r0 == k - 1 and (k == 1 or bool(np.all(np.diff(sel) == 1))):
                 np.take(view, pos, axis=0, out=rows[r0 : r0 + k])

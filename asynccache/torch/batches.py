@@ -221,11 +221,14 @@ def wrap(form: Form, buf: torch.Tensor, batch: int) -> Any:
         n = leaf.nbytes * batch
         tensors.append(buf[start : start + n].view(dt).reshape(batch, *leaf.shape))
 
-    def build(node: tuple[Any, ...]) -> Any:
-        if node[0] == "leaf":
-            return tensors[node[1]]
-        if node[0] == "dict":
-            return {k: build(c) for k, c in zip(node[1], node[2], strict=True)}
-        return [build(c) for c in node[1]]
+    return _build(form.tree, tensors)
 
-    return build(form.tree)
+
+def _build(node: tuple[Any, ...], tensors: list[torch.Tensor]) -> Any:
+    # (A module function, not a closure: a recursive closure is a reference cycle, which
+    # would keep the batch's storage alive until the garbage collector ran.)
+    if node[0] == "leaf":
+        return tensors[node[1]]
+    if node[0] == "dict":
+        return {k: _build(c, tensors) for k, c in zip(node[1], node[2], strict=True)}
+    return [_build(c, tensors) for c in node[1]]

@@ -546,6 +546,7 @@ class StreamingDataset(IterableDataset[Any]):
                             hinted = True
                         self._yielded += bs
                         yield out
+                        out = None  # (the consumer's now: a frame holding it would keep it busy)
                     if not hinted:
                         self._hint(order, segments, seg, a, self._chunks_of(keys))
             if held and not drop_last:

@@ -197,3 +197,8 @@ def test_dropped_batches_reuse_a_few_shared_buffers(fixed):
         n += 1
     assert n == -(-N // 2) > 2 * batches.POOL_SLOTS >= len(seen)
     assert ds.batch_stats()["unpooled_buffers"] == 0
+    # In the main process (no workers): two buffers (the loop variable holds the previous
+    # batch while the next is assembled), reused as each batch is dropped.
+    ds = StreamingDataset(fixed)
+    assert sum(1 for _ in CacheDataLoader(ds, batch_size=2)) == n
+    assert ds.batch_stats()["pooled_buffers"] == 2 and ds.batch_stats()["unpooled_buffers"] == 0
