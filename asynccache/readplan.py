@@ -18,6 +18,7 @@ Layer: above :mod:`asynccache.download`, :mod:`asynccache.cache` and
 
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 from collections.abc import Callable, Sequence
@@ -268,23 +269,68 @@ class ReadPlan:
             self._runs.setdefault(c, []).append(i)
         self.pos = skipped
         self._next = 0  # the first run that starts at or after the position
+        # A reader may ask for the chunks of one batch in any order (a batch assembled
+        # chunk by chunk): the position may pass a run of the same batch before the reader
+        # starts it. Such a run stays *pending*, and holds the board's position at its
+        # start, until the reader starts it or the position is a batch past its end.
+        self._lookback = max(1, spec.batch_size)
+        self._pending: dict[int, None] = {}  # run numbers, in order of start
+        self._started: set[int] = set()  # run numbers
+        self._board_pos = self.pos
         self.board.write(self.me, spec.epoch, self.variant, self.pos)
 
     def start(self, ci: int) -> bool:
         """This reader starts (or goes on) reading chunk ``ci``; True when it moved on to a
         new run, so the board, the pins and the hint change."""
-        for i in self._runs.get(ci, ()):
+        self._expire()
+        runs = self._runs.get(ci, ())
+        for i in runs:
+            if i in self._pending:
+                del self._pending[i]  # a run of the batch the position passed
+                self._started.add(i)
+                self._publish()
+                return False
+        for i in runs:
             if self._ends[i] > self.pos:
+                self._started.add(i)
                 if self._starts[i] <= self.pos:
                     return False  # asked again within its run
+                self._pass(self.pos, self._starts[i])
                 self.pos = self._starts[i]
-                self.board.write(self.me, self.spec.epoch, self.variant, self.pos)
+                self._expire()
+                self._publish()
                 return True
         return False  # not in this reader's plan: random access
 
+    def _pass(self, old: int, new: int) -> None:
+        """The position moves from ``old`` to ``new``: the runs not started yet that start
+        in between and end within a batch of ``new`` are pending (see :meth:`start`)."""
+        lo = bisect.bisect_left(self._starts, old)
+        hi = bisect.bisect_left(self._starts, new)
+        for i in range(lo, hi):
+            if i not in self._started and self._ends[i] > new - self._lookback:
+                self._pending[i] = None
+
+    def _expire(self) -> None:
+        """Drop the pending runs that ended more than a batch before the position: never
+        started, so never read through the cache (items read by range, say)."""
+        for i in [i for i in self._pending if self._ends[i] <= self.pos - self._lookback]:
+            del self._pending[i]
+
+    def _publish(self) -> None:
+        """Write the board's position: this reader's, held back to the start of the
+        earliest pending run."""
+        at = min([self.pos] + [self._starts[i] for i in self._pending])
+        if at != self._board_pos:
+            self._board_pos = at
+            self.board.write(self.me, self.spec.epoch, self.variant, at)
+
     def reads_now(self, ci: int) -> bool:
-        """Chunk ``ci`` has a run around this reader's position."""
-        return any(self._starts[i] <= self.pos < self._ends[i] for i in self._runs.get(ci, ()))
+        """Chunk ``ci`` has a run around this reader's position, or a pending one."""
+        return any(
+            i in self._pending or self._starts[i] <= self.pos < self._ends[i]
+            for i in self._runs.get(ci, ())
+        )
 
     def reads_now_name(self, name: str) -> bool:
         ci = self.index.chunk_number(name)
@@ -292,10 +338,11 @@ class ReadPlan:
 
     def upcoming(self, count: int) -> list[int]:
         """The next ``count`` distinct chunks this reader starts, from its position on
-        (the chunk it starts there first; those it started before are not repeated)."""
+        (the chunks of pending runs first, then the chunk it starts at its position; those
+        it started before are not repeated)."""
         while self._next < len(self._chunks) and self._starts[self._next] < self.pos:
             self._next += 1  # runs are ordered by start and the position only grows
-        out: dict[int, None] = {}
+        out: dict[int, None] = dict.fromkeys(self._chunks[i] for i in self._pending)
         i = self._next
         while i < len(self._chunks) and len(out) < count:
             out[self._chunks[i]] = None

@@ -141,14 +141,27 @@ class PlanPolicy:
         self.sizes = here.sizes
         self.dataset_bytes = sum(here.sizes)
         self.min_bytes = max(here.min_bytes, following.min_bytes if following else 0)
+        self._memo: tuple[tuple[Position | None, ...], _Table] | None = None
 
-    def _where(self) -> list[tuple[EpochPlan, int, int]]:
-        """(plan of its epoch, position, epoch) of every reader."""
+    def _where(self, got: Sequence[Position | None]) -> list[tuple[EpochPlan, int, int]]:
+        """(plan of its epoch, position, epoch) of every reader, from the board's ``got``.
+
+        A slot from an epoch before this process's stands for a reader that has not
+        started this epoch yet: it is taken to be at this epoch's start, as it will be when
+        it starts. (Ranks move together: a rank's new workers write their slots moments
+        after the other rank's. Read as it was, the slot would hold the last window of the
+        last epoch as "being read" and rank the chunks this epoch reads from positions
+        nobody stands at.) So is a slot from more than one epoch ahead (left by an earlier
+        run of the same plan), a slot whose plan is unknown (a resumed variant that is not
+        this process's), and a missing or torn one. A reader that died mid-epoch keeps its
+        slot's meaning until the epoch ends; every reader rewrites its slot when it starts
+        an epoch, so no slot outlives the epoch it names.
+        """
         out = []
-        got = list(self.positions())
         for r in range(self.readers):
             at = got[r] if r < len(got) else None
-            p = self.plans(at[0], at[1]) if at is not None else None
+            ok = at is not None and self.epoch <= at[0] <= self.epoch + 1
+            p = self.plans(at[0], at[1]) if ok and at is not None else None
             if at is None or p is None or r >= len(p.streams):
                 mine = self.plans(self.epoch, self.variant)
                 assert mine is not None
@@ -158,6 +171,19 @@ class PlanPolicy:
         return out
 
     def _table(self) -> _Table:
+        """Where every chunk stands, from where the readers stand now (the board). One
+        reservation asks several questions (admitted? in what order to evict? what may a
+        prefetch push out?) of the same positions: the table of the last positions read is
+        kept and reused while the board has not changed."""
+        got = tuple(self.positions())
+        memo = self._memo
+        if memo is not None and memo[0] == got:
+            return memo[1]
+        table = self._compute(got)
+        self._memo = (got, table)
+        return table
+
+    def _compute(self, got: Sequence[Position | None]) -> _Table:
         """Where every chunk stands. "This epoch" is the later of this process's epoch and
         the reader's: a reader still finishing the last epoch needs this one's chunks too."""
         n = len(self.sizes)
@@ -166,7 +192,7 @@ class PlanPolicy:
         shared = np.zeros(n, dtype=bool)
         read_in: dict[int, np.ndarray] = {}
         needed_in: dict[int, np.ndarray] = {}
-        for r, (p, pos, epoch) in enumerate(self._where()):
+        for r, (p, pos, epoch) in enumerate(self._where(got)):
             st = p.streams[r]
             shared |= p.shared_mask
             open_ = st.ends > pos
@@ -182,8 +208,6 @@ class PlanPolicy:
                 first = nxt.first_starts(r)
                 later = np.where(again, np.inf, st.length - pos + first)
                 distance = np.minimum(distance, later)
-                if epoch < self.epoch:
-                    this_epoch |= np.isfinite(later)
         current = distance == 0
         held = current.copy()
         for epoch, read in read_in.items():

@@ -13,8 +13,10 @@ from asynccache.cache.board import Board
 from asynccache.cache.plan import Deferred, EpochPlan, PlanPolicy, Stream
 from asynccache.cache.store import ChunkStore
 from asynccache.config import Settings
+from asynccache.readplan import EpochSpec, PlanCache, ReadPlan
 from asynccache.sampling.partition import Segment
 from asynccache.sampling.runs import reader_runs, reader_segments
+from asynccache.writer import ChunkWriter, merge_dir
 
 SIZE = 100
 
@@ -155,3 +157,103 @@ def test_a_prefetch_that_would_push_out_a_chunk_still_to_be_read_is_deferred(tmp
     tmp = asyncio.run(store.reserve("chunk-0-3.bin", SIZE))  # a reader waits: evict
     tmp.discard()
     assert "chunk-0-4.bin" not in os.listdir(store.root), "the furthest one went"
+
+
+def small_plan(tmp_path, batch_size: int) -> ReadPlan:
+    """One reader of 40 items in 10 chunks of 4, in order: chunk c is read over [4c, 4c+4)."""
+    src = str(tmp_path / "src")
+    w = ChunkWriter(src, 0, chunk_bytes=4 * 200)
+    for i in range(40):
+        w.add(i, {"i": i, "x": np.zeros(100, np.uint8)})
+    w.finish()
+    index = merge_dir(src, [0])
+    assert index.num_chunks == 10
+    spec = EpochSpec(
+        epoch=0,
+        seed=0,
+        shuffle=False,
+        window=1,
+        remaining=[(0, 40)],
+        received=0,
+        world=1,
+        rank=0,
+        num_workers=1,
+        worker=0,
+        batch_size=batch_size,
+        drop_last=False,
+    )
+    root = tmp_path / "cache"
+    os.makedirs(root / ".locks")
+    return ReadPlan(index, spec, PlanCache(index, spec), str(root))
+
+
+def test_a_batch_asking_for_its_chunks_out_of_order_keeps_the_run_it_passed(tmp_path):
+    # A batch of positions [0, 8) asks for chunk 1 before chunk 0 (its chunks in number
+    # order, say). Chunk 0's run is passed but not read yet: it must stay hinted and on the
+    # board, or a prefetch of it is cancelled and it is evicted as consumed, then fetched
+    # again (seen with two ranks: a chunk GET twice in a cold epoch).
+    rp = small_plan(tmp_path, batch_size=8)
+    assert rp.start(1)
+    assert rp.pos == 4
+    assert rp.board.read()[0] == (0, 0, 0), "held at the passed run's start"
+    assert rp.upcoming(2) == [0, 1]
+    assert rp.reads_now(0) and rp.reads_now(1)
+    assert not rp.start(0)  # the passed run, started now
+    assert rp.board.read()[0] == (0, 0, 4)
+    assert not rp.reads_now(0)
+    # A run passed and never started (its items read by range) holds the board only
+    # until the position is a batch past its end.
+    assert rp.start(4)  # passes runs 2 and 3 ([8, 12) and [12, 16))
+    assert rp.board.read()[0] == (0, 0, 8)
+    assert rp.start(5)  # position 20: run 2 ended 12 <= 20 - 8, run 3 still pending
+    assert rp.board.read()[0] == (0, 0, 12)
+    assert rp.start(6)  # position 24: both expired
+    assert rp.board.read()[0] == (0, 0, 24)
+    assert rp.upcoming(1) == [6]
+    rp.close()
+
+
+def test_a_stale_slot_of_the_last_epoch_reads_as_the_start_of_this_one():
+    # Reader 1's new workers have not started epoch 1: its slot still says where it was
+    # at the end of epoch 0. Read as it was, the last chunks of its epoch 0 would be held
+    # as "being read" and this epoch's chunks ranked from the wrong place.
+    plan = two_readers()
+    plans = {(0, 0): plan, (1, 0): plan, (2, 0): plan}
+    slots = [(1, 0, 20), (0, 0, 25)]
+    p = PlanPolicy(
+        [f"chunk-0-{i}.bin" for i in range(6)],
+        lambda e, v: plans.get((e, v)),
+        epoch=1,
+        variant=0,
+        readers=2,
+        positions=lambda: slots,
+    )
+    # chunk 4: reader 1 read it last in epoch 0 (run [20, 30)); in epoch 1 it reads it at
+    # 20, after chunks 5 and 3: not held, ranked by its distance this epoch
+    order = p.victims([f"chunk-0-{i}.bin" for i in (0, 3, 4, 5)], {})
+    assert order == ["chunk-0-0.bin", "chunk-0-4.bin", "chunk-0-3.bin", "chunk-0-5.bin"]
+    assert p.spare(["chunk-0-4.bin"]) == []  # still to be read this epoch
+    # The same slot, were this process still in epoch 0, is read as it is.
+    slots[0] = (0, 0, 20)
+    q = PlanPolicy(
+        [f"chunk-0-{i}.bin" for i in range(6)],
+        lambda e, v: plans.get((e, v)),
+        epoch=0,
+        variant=0,
+        readers=2,
+        positions=lambda: slots,
+    )
+    assert q.spare(["chunk-0-4.bin"]) == []  # reader 1 reads it now
+    # A slot from more than one epoch ahead (an earlier run of the same plan) is unknown:
+    # the reader is taken to be at the start (chunk 1 read at 10, chunk 4 at 20), not at 25
+    # of epoch 7 (chunk 1 read already, chunk 4 being read).
+    slots[:] = [(7, 0, 20), (7, 0, 25)]
+    r = PlanPolicy(
+        [f"chunk-0-{i}.bin" for i in range(6)],
+        lambda e, v: plan,
+        epoch=0,
+        variant=0,
+        readers=2,
+        positions=lambda: slots,
+    )
+    assert r.victims(["chunk-0-1.bin", "chunk-0-4.bin"], {}) == ["chunk-0-4.bin", "chunk-0-1.bin"]

@@ -3,17 +3,20 @@ fetched once per node per cold epoch, and the second epoch starts warm."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import time
 import uuid
 
 import pytest
 import torch.multiprocessing as mp
 
+from asynccache.config import Settings
 from asynccache.optimize.api import _PRELOAD, pool_context
-from asynccache.testing.faults import FaultProxy
-from tests.budget_data import chunk_gets, fetched_bytes, write_remote
+from asynccache.testing.faults import FaultProxy, RequestRecord
+from tests.budget_data import fetched_bytes, write_remote
 from tests.distributed.budget_ranks import budget_rank_main
 from tests.distributed.test_ddp import free_port
 
@@ -24,6 +27,28 @@ WORLD = 2
 # budget in both orders with one rank.
 RUNS = [(True, 0.25)]
 pytestmark = pytest.mark.timeout(400)
+
+
+def chunk_downloads(
+    requests: list[RequestRecord], sizes: dict[str, int]
+) -> collections.Counter[str]:
+    """Downloads of whole chunks, by chunk name: GETs of a chunk file without a range or
+    of one whole part (from a part boundary to the next, or to the chunk's end). A reader
+    may also fetch a chunk's header and a few items by range before the chunk lands
+    (``first_read_bytes``); those are never cached, and not counted here."""
+    part = Settings().part_bytes
+    out: collections.Counter[str] = collections.Counter()
+    for r in requests:
+        name = os.path.basename(r.path)
+        if r.method != "GET" or name not in sizes:
+            continue
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
+        if m is not None:
+            start, end = int(m.group(1)), int(m.group(2)) + 1
+            if start % part or end != min(start + part, sizes[name]):
+                continue
+        out[name] += 1
+    return out
 
 
 def test_two_ranks_fetch_each_chunk_once_per_cold_epoch(objstore, tmp_path):
@@ -76,12 +101,14 @@ def test_two_ranks_fetch_each_chunk_once_per_cold_epoch(objstore, tmp_path):
         for epoch in range(2):
             keys = ranks[0][2 * k + epoch] + ranks[1][2 * k + epoch]
             assert set(keys) == set(range(ITEMS)), (shuffle, fraction, epoch)
-        cold, warm = chunk_gets(slices[2 * k]), chunk_gets(slices[2 * k + 1])
+        sizes = {c.filename: c.bytes for c in remote.index.chunks}
+        cold = chunk_downloads(slices[2 * k], sizes)
+        warm = chunk_downloads(slices[2 * k + 1], sizes)
         assert cold == dict.fromkeys(remote.chunk_names, 1), (shuffle, fraction, cold)
         again = fetched_bytes(warm, remote)
-        # Epoch 2 starts warm: it fetches less than the whole dataset. Not asserted here:
-        # each chunk at most once in epoch 2 and the 1.1 x (dataset - budget) bound. The
-        # one-rank tests (tests/test_budget_gets.py) hold both. With two ranks a rank
-        # running ahead can evict what the other still reads (README "Known gaps"): one
-        # chunk fetched twice in epoch 2, and 1.1002 x the bound, were each seen once.
-        assert again < remote.total, (shuffle, fraction, again, budget, warm)
+        # Epoch 2 starts warm: each chunk at most once, and what the budget kept is not
+        # fetched again (within 1.1 x). The ranks' new workers start one after the other:
+        # the board slots of a rank not started yet still name the last epoch, and are
+        # read as this epoch's start (PlanPolicy), not as a last window being read.
+        assert max(warm.values(), default=0) <= 1, (shuffle, fraction, warm)
+        assert again <= 1.1 * (remote.total - budget), (shuffle, fraction, again, budget, warm)
