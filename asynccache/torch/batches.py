@@ -40,13 +40,18 @@ from ..batchread import Form
 POOL_SLOTS = 8  # pooled buffers per worker
 ROWS = 256  # worker rows (worker id mod ROWS - 1; the last row: the main process)
 MAIN_ROW = ROWS - 1
-COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers")
-_COLS = POOL_SLOTS + len(COUNTERS)
+COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers", "sent_buffers")
+_ACK = POOL_SLOTS  # columns [_ACK, _ACK + POOL_SLOTS): the buffer the consumer has mapped
+_COUNT = 2 * POOL_SLOTS
+_COLS = _COUNT + len(COUNTERS)
 BLOCK_BYTES = ROWS * _COLS * 8
 
 # The busy blocks of datasets created in this process, by token (the main process
 # looks a received batch's block up here).
 _BLOCKS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+# The consumer's mappings of the workers' pooled buffers: token -> (row, slot) ->
+# (buffer id, uint8 numpy array over the shared storage).
+_MAPS: dict[str, dict[tuple[int, int], tuple[int, np.ndarray]]] = {}
 
 
 def shared_bytes(n: int) -> torch.Tensor:
@@ -57,23 +62,25 @@ def shared_bytes(n: int) -> torch.Tensor:
 
 
 def register(token: str, block: torch.Tensor) -> None:
-    """Make ``block`` (a dataset's busy marks) findable by batches received here."""
+    """Make ``block`` (a dataset's busy marks) findable by batches received here; the
+    mappings of its workers' buffers go with it."""
     _BLOCKS[token] = block
+    weakref.finalize(block, _MAPS.pop, token, None).atexit = False
 
 
 def table(block: torch.Tensor) -> np.ndarray:
-    """The ``(ROWS, slots + counters)`` int64 view of a busy block."""
+    """The ``(ROWS, columns)`` int64 view of a busy block."""
     return block.numpy().view(np.int64).reshape(ROWS, _COLS)
 
 
 def counters(block: torch.Tensor) -> dict[str, int]:
     """The batch counters summed over every worker row."""
-    sums = table(block)[:, POOL_SLOTS:].sum(axis=0)
+    sums = table(block)[:, _COUNT:].sum(axis=0)
     return {name: int(v) for name, v in zip(COUNTERS, sums, strict=True)}
 
 
 def count(block: torch.Tensor, row: int, name: str, by: int = 1) -> None:
-    table(block)[row % ROWS, POOL_SLOTS + COUNTERS.index(name)] += by
+    table(block)[row % ROWS, _COUNT + COUNTERS.index(name)] += by
 
 
 def _free(token: str, row: int, slot: int, mark: int) -> None:
@@ -96,10 +103,10 @@ def _first_tensor(data: Any) -> torch.Tensor | None:
 
 
 def _received(data: Any, token: str, row: int, slot: int, mark: int) -> Any:
-    """Unpickled in the consumer: free the slot once the batch's storage is collected
+    """The consumer got ``data``: free the slot once the batch's storage is collected
     (every leaf of the batch is a view of that one storage)."""
     t = _first_tensor(data)
-    if t is None:  # no tensor came: nothing of the buffer is held
+    if t is None:  # no tensor: nothing of the buffer is held
         _free(token, row, slot, mark)
         return data
     fin = weakref.finalize(t.untyped_storage(), _free, token, row, slot, mark)
@@ -107,17 +114,46 @@ def _received(data: Any, token: str, row: int, slot: int, mark: int) -> Any:
     return data
 
 
+def _unpickled(
+    token: str,
+    row: int,
+    slot: int,
+    mark: int,
+    buffer_id: int,
+    form: Form,
+    n: int,
+    storage: Any,
+) -> Any:
+    """In the consumer: the batch in slot ``slot`` of worker row ``row``.
+
+    The first batch of a buffer brings its shared storage (``storage``), which this
+    process maps once, keeps, and acknowledges in the block; later batches of the buffer
+    bring only where they are. Each batch gets a storage of its own over the mapping, so
+    its end (the consumer letting go) frees the slot.
+    """
+    maps = _MAPS.setdefault(token, {})
+    if storage is not None:
+        base = torch.empty(0, dtype=torch.uint8).set_(storage)
+        maps[(row, slot)] = (buffer_id, base.numpy())
+        block = _BLOCKS.get(token)
+        if block is not None:
+            table(block)[row, _ACK + slot] = buffer_id
+    got = maps.get((row, slot))
+    if got is None or got[0] != buffer_id:  # not acknowledged, so never sent without it
+        raise RuntimeError(f"batch buffer {buffer_id} of worker row {row} was never received")
+    return _received(wrap(form, torch.from_numpy(got[1]), n), token, row, slot, mark)
+
+
 class Pooled:
-    """A batch in a pooled buffer, as a worker hands it over: unpickles as ``data``."""
+    """A batch in a pooled buffer, as a worker hands it over: unpickles as the batch."""
 
-    __slots__ = ("data", "mark", "row", "slot", "token")
+    __slots__ = ("args",)
 
-    def __init__(self, data: Any, token: str, row: int, slot: int, mark: int) -> None:
-        self.data = data
-        self.token, self.row, self.slot, self.mark = token, row, slot, mark
+    def __init__(self, *args: Any) -> None:
+        self.args = args
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_received, (self.data, self.token, self.row, self.slot, self.mark))
+        return (_unpickled, self.args)
 
 
 class Pool:
@@ -125,8 +161,10 @@ class Pool:
 
     def __init__(self, block: torch.Tensor, token: str, row: int, here: bool = False) -> None:
         self.block, self.token, self.row = block, token, row % ROWS
-        self.cells = table(block)[self.row, :POOL_SLOTS]
+        cells = table(block)[self.row]
+        self.cells, self.acks = cells[:POOL_SLOTS], cells[_ACK : _ACK + POOL_SLOTS]
         self.buffers: dict[int, torch.Tensor] = {}
+        self.ids: dict[int, int] = {}
         # here: the consumer is this process. The buffers are plain memory, and each batch
         # gets a storage of its own over its buffer (the pool holds the buffer, not that
         # storage, so the storage's end is the consumer letting go).
@@ -137,6 +175,9 @@ class Pool:
         for k, mark in enumerate(self.cells.tolist()):
             if mark and (mark >> 32 == pid or not _alive(mark >> 32)):
                 self.cells[k] = 0  # left by a dead process (or this pid's previous life)
+
+    def _id(self) -> int:
+        return (os.getpid() << 32) | (next(self._seq) & 0xFFFFFFFF)
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A free slot and its buffer of at least ``nbytes`` (slot -1: not pooled)."""
@@ -155,22 +196,28 @@ class Pool:
                 if buf is None:
                     count(self.block, self.row, "pooled_buffers")
                 buf = self.buffers[k] = shared_bytes(nbytes)
+                self.ids[k] = self._id()
             return k, buf
         count(self.block, self.row, "unpooled_buffers")
         if self.here:
             return -1, torch.empty(nbytes, dtype=torch.uint8)
         return -1, shared_bytes(nbytes)
 
-    def send(self, data: Any, slot: int) -> Any:
-        """``data`` (views of slot ``slot``'s buffer), marked busy until the consumer drops
-        it."""
+    def send(self, form: Form, n: int, slot: int, buf: torch.Tensor) -> Any:
+        """The batch of ``n`` rows laid out by ``form`` in slot ``slot``'s buffer ``buf``,
+        as the consumer will get it; the slot is busy until the consumer drops it."""
         if slot < 0:
-            return data
-        mark = (os.getpid() << 32) | (next(self._seq) & 0xFFFFFFFF)
+            return wrap(form, buf, n)
+        mark = self._id()
         self.cells[slot] = mark
         if self.here:
-            return _received(data, self.token, self.row, slot, mark)
-        return Pooled(data, self.token, self.row, slot, mark)
+            return _received(wrap(form, buf, n), self.token, self.row, slot, mark)
+        buffer_id = self.ids[slot]
+        storage = None
+        if int(self.acks[slot]) != buffer_id:  # the consumer has not mapped it yet
+            storage = buf.untyped_storage()
+            count(self.block, self.row, "sent_buffers")
+        return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage)
 
 
 def _alive(pid: int) -> bool:

@@ -574,7 +574,6 @@ class StreamingDataset(IterableDataset[Any]):
             if not batches.supported(tform):
                 return self._collated(keys, row)
             buf, slot = self._buffer(tform, n, pool)
-            tensor = batches.wrap(tform, buf, n)
             tb.assemble_into(
                 self._reader,
                 keys,
@@ -582,7 +581,7 @@ class StreamingDataset(IterableDataset[Any]):
                 .view(tb.dtype)
                 .reshape(n, tb.block_size),
             )
-            return self._send(tensor, buf, slot, pool, row)
+            return self._send(tform, n, buf, slot, pool, row)
         chunks, positions = self.index.locate_many(keys)
         self._reader.expect(chunks, positions)  # the first batch: items by range
         early = self._reader._early
@@ -604,15 +603,17 @@ class StreamingDataset(IterableDataset[Any]):
             return self._collated(keys, row, chunks, positions)
         buf, slot = self._buffer(form, n, pool)
         assemble_into(buf.numpy(), form, parts, n)
-        return self._send(batches.wrap(form, buf, n), buf, slot, pool, row)
+        return self._send(form, n, buf, slot, pool, row)
 
     def _buffer(self, form: Form, n: int, pool: batches.Pool) -> tuple[torch.Tensor, int]:
         slot, buf = pool.take(form.regions(max(n, self.batch_size))[1])
         return buf, slot
 
-    def _send(self, data: Any, buf: torch.Tensor, slot: int, pool: batches.Pool, row: int) -> Any:
+    def _send(
+        self, form: Form, n: int, buf: torch.Tensor, slot: int, pool: batches.Pool, row: int
+    ) -> Any:
         batches.count(self._busy, row, "assembled")
-        return pool.send(data, slot)
+        return pool.send(form, n, slot, buf)
 
     def _collated(
         self,
