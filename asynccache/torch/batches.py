@@ -1,9 +1,11 @@
 """Whole batches from a DataLoader worker, in reused shared-memory buffers.
 
 A worker that assembles batches itself (see :mod:`asynccache.batchread`) writes each
-into a buffer of a small per-worker pool of shared-memory storages. torch sends a tensor
-whose storage is already shared by passing its descriptor, so a reused buffer costs no
-new shared-memory segment per batch.
+into a buffer of a small per-worker pool of shared-memory storages. The main process maps
+each buffer once (the first batch in it carries its storage; the main process writes an
+acknowledgement into the shared block) and keeps the mapping; later batches in that
+buffer travel as a few integers and the batch's form. So a batch costs no new
+shared-memory segment, no descriptor passing and no new mapping.
 
 The rule that makes reuse safe: **a buffer is never written while the consumer may still
 hold any part of the batch in it.** Each worker has a row of busy marks in a small block
@@ -11,9 +13,9 @@ of shared memory that the dataset created before its workers started:
 
 * the worker writes a fresh mark (its pid and a sequence number) into a slot's cell
   before it hands the batch over, and only takes a slot whose cell is 0;
-* the main process, when it unpickles the batch, attaches a finalizer to the batch's
-  storage; when the last tensor, view or numpy array over that storage is gone the
-  finalizer clears the cell, if it still holds that batch's mark;
+* the main process, when it unpickles the batch, gives it a storage of its own over the
+  mapping and attaches a finalizer to it; when the last tensor, view or numpy array over
+  that storage is gone the finalizer clears the cell, if it still holds that batch's mark;
 * a worker that finds no free slot adds one, up to :data:`POOL_SLOTS`; past that it
   allocates a buffer used once (as ``default_collate`` does). It never waits.
 
