@@ -4,10 +4,13 @@
 only by that reader (``pwrite`` of its slot, no lock) each time it starts reading a chunk,
 and read by any process that evicts. A slot holds ``epoch variant position``.
 
-It is a hint, never a source of truth: a slot that is missing, torn or left by a reader
-that died reads as "not started", which only keeps more chunks (a reader that has not
-started needs all of its part). A crash therefore leaves nothing that matters; the file
-is a few hundred bytes and is reused by the next run of the same plan.
+It is a hint, never a source of truth: a slot that is missing or torn, or names an
+epoch other than the evicting process's or the next, reads as "at the start of this
+epoch" (see :class:`.plan.PlanPolicy`), which only keeps more chunks (a reader that has
+not started needs all of its part). Every reader rewrites its slot when it starts an
+epoch, so a slot left by a reader that died lasts until the next epoch starts. A crash
+therefore leaves nothing that matters; the file is a few hundred bytes and is reused by
+the next run of the same plan.
 
 Layer: stdlib only.
 """
