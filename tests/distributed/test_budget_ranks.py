@@ -20,7 +20,7 @@ from tests.budget_data import fetched_bytes, write_remote
 from tests.distributed.budget_ranks import budget_rank_main
 from tests.distributed.test_ddp import free_port
 
-ITEMS = 1201  # 86 chunks; not a multiple of ranks x batch, so the last rank is padded
+ITEMS = 2401  # 172 chunks; not a multiple of ranks x batch, so the last rank is padded
 WORLD = 2
 # (shuffle, budget as a fraction of the dataset): the hardest case, shuffled windows shared
 # across ranks and workers at the smallest budget; tests/test_budget_gets.py runs each
