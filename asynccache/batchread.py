@@ -41,6 +41,7 @@ __all__ = ["ChunkForms", "Form", "Leaf", "assemble_into", "copy_rows", "layout"]
 
 _U32 = struct.Struct("<I")
 ALIGN = 64
+_LARGE_ROW = 16 << 10  # rows at least this large are copied one by one, without a temporary
 _SCALAR = {"i": np.dtype(np.int64), "f": np.dtype(np.float64), "b": np.dtype(np.bool_)}
 _ARRAY_KINDS = frozenset("biufc")
 # torch dtype names of tensor leaves this module copies, and their numpy twins (for size).
@@ -323,16 +324,21 @@ def copy_rows(
     pos: np.ndarray,
     stride: int,
 ) -> None:
-    """``rows[sel[j]] = src[offs[j] : offs[j] + n]``.
+    """``rows[sel[j]] = src[offs[j] : offs[j] + n]``, one copy per byte.
 
     When the sources are evenly spaced by ``stride`` (item ``pos[j]`` at ``anchor +
-    pos[j] * stride``: a chunk of equal-size items, or the blocks of a token chunk) and
-    ``sel`` is a run of rows, this is one ``np.take`` straight into ``rows``; otherwise one
-    slice copy per row.
+    pos[j] * stride``: a chunk of equal-size items, or the blocks of a token chunk) they
+    are rows of a strided view of the chunk: a run of items into a run of rows is one
+    strided copy; rows that tile the chunk exactly (token blocks) are gathered with one
+    ``np.take``; small rows are gathered by fancy indexing (vectorised; the rows pass
+    through a temporary). Otherwise, and for large rows, one slice copy per row (numpy's
+    ``take`` would first copy a non-contiguous source whole).
     """
     k = len(offs)
     if not k:
         return
+    r0 = int(sel[0])
+    run = int(sel[-1]) - r0 == k - 1 and (k == 1 or bool(np.all(np.diff(sel) == 1)))
     if stride:
         anchor = int(offs[0]) - int(pos[0]) * stride
         if anchor >= 0 and np.array_equal(offs, anchor + pos * stride):
@@ -343,12 +349,18 @@ def copy_rows(
                 view = np.lib.stride_tricks.as_strided(
                     src[anchor:], shape=(count, n), strides=(stride, 1), writeable=False
                 )
-            r0 = int(sel[0])
-            if int(sel[-1]) - r0 == k - 1 and (k == 1 or bool(np.all(np.diff(sel) == 1))):
-                np.take(view, pos, axis=0, out=rows[r0 : r0 + k])
-            else:
-                for r, p in zip(sel.tolist(), pos.tolist(), strict=True):
-                    rows[r] = view[p]
+            p0 = int(pos[0])
+            if run and int(pos[-1]) - p0 == k - 1 and bool(np.all(np.diff(pos) == 1)):
+                rows[r0 : r0 + k] = view[p0 : p0 + k]
+                return
+            if run and view.flags.c_contiguous:
+                np.take(view, pos, axis=0, out=rows[r0 : r0 + k], mode="clip")  # (unbuffered)
+                return
+            if n < _LARGE_ROW:
+                rows[sel] = view[pos]
+                return
+            for r, p in zip(sel.tolist(), pos.tolist(), strict=True):
+                rows[r] = view[p]
             return
     for r, o in zip(sel.tolist(), offs.tolist(), strict=True):
         rows[r] = src[o : o + n]
