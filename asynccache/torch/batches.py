@@ -39,7 +39,8 @@ import torch
 
 from ..batchread import Form
 
-POOL_SLOTS = 8  # pooled buffers per worker
+POOL_SLOTS = 8  # pooled buffers per worker, at most
+POOL_BYTES = 256 << 20  # ... and no more than about this much (at least 2 buffers)
 ROWS = 256  # worker rows (worker id mod ROWS - 1; the last row: the main process)
 MAIN_ROW = ROWS - 1
 COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers", "sent_buffers")
@@ -183,7 +184,7 @@ class Pool:
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A free slot and its buffer of at least ``nbytes`` (slot -1: not pooled)."""
-        for k in range(POOL_SLOTS):
+        for k in range(max(2, min(POOL_SLOTS, POOL_BYTES // max(nbytes, 1)))):
             if self.cells[k] != 0:
                 continue
             if self.here:
