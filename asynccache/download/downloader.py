@@ -135,6 +135,7 @@ class Downloader:
         self._closed = False
         self._fast_mu = threading.Lock()
         self._fast_hits = 0  # see note_hit
+        self._hit_names: list[str] = []  # chunks note_hit saw, not yet consumed from the hint
 
     def __repr__(self) -> str:
         return (
@@ -234,11 +235,9 @@ class Downloader:
         would. Never blocks."""
         with self._fast_mu:
             self._fast_hits += 1
-        self._lt.call_soon(self._hit, name)
-
-    def _hit(self, name: str) -> None:
-        self._consume_hint(name)
-        self._pump()
+            # Applied by the I/O thread when it next looks at the hint: waking it now
+            # would cost a thread switch per chunk for nothing to fetch.
+            self._hit_names.append(name)
 
     def snapshot(self) -> DownloadStats:
         """A copy of :attr:`stats`, with the hits counted outside the I/O thread."""
@@ -271,6 +270,7 @@ class Downloader:
         self, name: str, size: int | None = None, checksum: str | None = None
     ) -> str:
         """The local path of chunk ``name``, downloading it if needed (async twin)."""
+        self._consume_noted()
         self._consume_hint(name)
         if self.storage.is_local:
             return await self._local(ChunkSpec(name, size, checksum))
@@ -455,6 +455,8 @@ class Downloader:
     def _set_hint(self, specs: list[ChunkSpec]) -> None:
         if self._closed or self.storage.is_local:
             return
+        with self._fast_mu:
+            self._hit_names = []  # a new hint starts after them
         self._queue = specs
         window = {s.name for s in self._window()}
         for name in list(self._hinted):
@@ -479,6 +481,13 @@ class Downloader:
             self._deferred = False
             self._pump()
 
+    def _consume_noted(self) -> None:
+        if self._hit_names:
+            with self._fast_mu:
+                names, self._hit_names = self._hit_names, []
+            for name in names:
+                self._consume_hint(name)
+
     def _consume_hint(self, name: str) -> None:
         self._deferred = False
         for i, spec in enumerate(self._queue):
@@ -489,6 +498,7 @@ class Downloader:
     def _pump(self) -> None:
         if self._closed:
             return
+        self._consume_noted()
         if self._waited_needs_slots():
             return  # a reader waits for a download: new prefetches would slow it down
         if self._deferred:
