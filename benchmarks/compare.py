@@ -49,6 +49,7 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 import warnings
@@ -507,6 +508,10 @@ def run(args: argparse.Namespace) -> None:
                 + f"; raw GET: {len(parts)} parts at concurrency {concurrency}",
                 flush=True,
             )
+            # Every loader's workers fork (Linux's default), as a user's would; litdata's
+            # optimize sets the start method process-wide, hence the writers' own process.
+            if mp.get_start_method() != "fork":
+                raise SystemExit(f"start method {mp.get_start_method()!r}, not fork")
             if "litdata" in libs:
                 litdata_http()
             if "mosaic" in libs:
@@ -554,6 +559,7 @@ def report(
         f"median (min-max) of {args.reps}; {date}; {limits.cores()} cores; load "
         f"{load_before} before, {limits.loadavg()} after"
     )
+    print(f"tree {tree_commit()}; workers forked")
     print(
         limits.versions(
             "asynccache",
@@ -651,6 +657,29 @@ def print_memory(s: Setup, m: Memory) -> None:
             f"{region.rss / MIB:,.1f} MiB resident): {hits} words, about "
             f"{hits * 4096 / MIB:,.1f} MiB of chunk bytes"
         )
+
+
+def tree_commit() -> str:
+    """The commit of the tree measured (``+`` when it has uncommitted changes), or ``-``."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    return head + ("+" if dirty else "")
 
 
 def quiet() -> None:
