@@ -584,7 +584,7 @@ class StreamingDataset(IterableDataset[Any]):
             return self._send(tform, n, buf, slot, pool, row)
         chunks, positions = self.index.locate_many(keys)
         self._reader.expect(chunks, positions)  # the first batch: items by range
-        early = self._reader._early
+        early = getattr(self._reader, "_early", None)  # items read by range, by chunk
         if early and any(c in early for c in np.unique(chunks).tolist()):
             return self._collated(keys, row, chunks, positions)  # items read by range
         parts = []
