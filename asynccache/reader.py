@@ -51,6 +51,8 @@ class Ranged(Protocol):
 
     def chunk_url(self, ci: int) -> str: ...
 
+    def send_hint(self) -> None: ...
+
 
 class _Early:
     """Items of one chunk read by range before the chunk landed.
@@ -200,17 +202,22 @@ class Reader:
         chunk when this reader maps it (a mismatch: :class:`ChecksumMismatchError`).
         A failed range read is not an error: those items are read from their chunks.
         """
-        if self._ranged is None or self._early_left <= 0 or self._mapped_any:
-            return
-        want = self._early_plan(chunks, positions)
-        if not want:
-            self._early_left = 0  # nothing to fetch now: none later either
+        if self._ranged is None:
             return
         try:
-            self._fetch_early(want)
-        except Exception as exc:  # the chunk path retries, verifies and reports
-            log.debug("range reads failed, reading from chunks: %r", exc)
-        self._early_left = 0  # one round per epoch: the chunks are on their way
+            if self._early_left <= 0 or self._mapped_any:
+                return
+            want = self._early_plan(chunks, positions)
+            if not want:
+                self._early_left = 0  # nothing to fetch now: none later either
+                return
+            try:
+                self._fetch_early(want)
+            except Exception as exc:  # the chunk path retries, verifies and reports
+                log.debug("range reads failed, reading from chunks: %r", exc)
+            self._early_left = 0  # one round per epoch: the chunks are on their way
+        finally:
+            self._ranged.send_hint()  # the epoch's prefetch, held back until now
 
     def _early_plan(self, chunks: np.ndarray, positions: np.ndarray) -> dict[int, list[int]]:
         """The positions to read by range, per chunk, within the byte budget."""

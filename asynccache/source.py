@@ -264,6 +264,7 @@ class DatasetSource:
         conn = self._connect()
         dl = self._downloader_of(conn)
         spec = self.spec(ci)
+        self.send_hint()
         self._advance(conn, dl, ci)
         if not dl.in_flight(spec.name) and dl.store.is_cached(spec.name, spec.size):
             # Here already (a warm cache): pinned without a round trip to the I/O thread,
@@ -327,6 +328,13 @@ class DatasetSource:
         :meth:`Downloader.read_ranges`): never cached, verified by the caller against the
         chunk once it lands. Remote datasets only."""
         return self.downloader().read_ranges(self.index.filename(ci), ranges)
+
+    def send_hint(self) -> None:
+        """Send the hint of :meth:`plan_epoch` to the downloader if not sent yet: once the
+        reader's range reads are out (:meth:`Reader.expect`) or it asks for a chunk."""
+        held = self.__dict__.pop("_held_hint", None)
+        if held is not None and held[0] == os.getpid():
+            self.downloader().hint(held[1])
 
     def chunk_url(self, ci: int) -> str:
         return f"{self.url.rstrip('/')}/{self.index.filename(ci)}"
@@ -417,7 +425,9 @@ class DatasetSource:
         if old is not None:
             old.close()
         want = max(self.settings.prefetch_chunks, 1) + (window if shuffle else 0)
-        dl.hint([self.spec(c) for c in follow.upcoming(want)])
+        # Sent when the reader starts reading (see send_hint): range reads of its first
+        # items must find connections free, not queue behind a prefetch window of parts.
+        self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])
 
     def _advance(self, conn: Connection, dl: Downloader, ci: int) -> None:
         """Before chunk ``ci`` is fetched: move this reader on in its plan, give back the
@@ -473,6 +483,7 @@ class DatasetSource:
         for k in ("_mu", "_slot", "_finalizer"):
             del state[k]
         state["_plans"] = state["_follow"] = None  # this process's; a copy plans anew
+        state.pop("_held_hint", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
