@@ -34,7 +34,15 @@ from .sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from .sampling.partition import Interval, Segment
 from .sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
 
-__all__ = ["EpochSpec", "PlanCache", "ReadPlan", "View", "min_budget_message", "union_runs"]
+__all__ = [
+    "EpochSpec",
+    "PlanCache",
+    "ReadPlan",
+    "View",
+    "min_budget_message",
+    "union_runs",
+    "whole_batches",
+]
 
 _KEEP_PLANS = 4
 #: Epochs of more positions are planned by windows, not by a key per position.
@@ -192,6 +200,8 @@ class PlanCache:
                 runs = reader_runs(segs, order.keys, order.chunks_of, gap=order.gap)
             if last is not None:  # a unit (a token block) may run into the next chunk
                 runs = union_runs(runs, reader_runs(segs, order.keys, last, gap=order.gap))
+            if s.view is None:
+                runs = whole_batches(runs, s.batch_size)
             streams.append(Stream(runs.chunks, runs.starts, runs.ends, runs.length))
         return EpochPlan(streams, index.bytes_per_chunk.tolist())
 
@@ -207,6 +217,33 @@ class PlanCache:
         sampled = spec.subsample is not None and spec.subsample < 1
         sequential = self.index.columns.runs is None  # keys in chunk order
         return spec.shuffle or sampled or sequential
+
+
+def whole_batches(runs: ReaderRuns, batch_size: int) -> ReaderRuns:
+    """The runs of a reader that reads ``batch_size`` positions at a time: a worker
+    assembling whole batches holds every chunk of a batch at once, and may ask for them in
+    any order. Each run is widened to the batches it touches (``[k * batch_size,
+    ...)`` of the reader's positions), and a chunk's runs that then overlap become one.
+    (A reader of single items holds less: this keeps a little more than it needs.)"""
+    n = len(runs.chunks)
+    if batch_size <= 1 or n == 0:
+        return runs
+    bs = batch_size
+    starts = runs.starts // bs * bs
+    ends = np.minimum(-(-runs.ends // bs) * bs, max(runs.length, 1))
+    order = np.lexsort((starts, runs.chunks))
+    c, st, en = runs.chunks[order], starts[order], ends[order]
+    # Merge overlapping runs of one chunk: the running end within each chunk's group.
+    group = np.concatenate([[0], np.cumsum(c[1:] != c[:-1])])
+    span = int(en.max()) + 1
+    reach = np.maximum.accumulate(en + group * span) - group * span
+    new = np.ones(n, dtype=bool)
+    new[1:] = (c[1:] != c[:-1]) | (st[1:] > reach[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], n) - 1
+    out_c, out_s, out_e = c[first], st[first], reach[last]
+    by_start = np.argsort(out_s, kind="stable")
+    return ReaderRuns(out_c[by_start], out_s[by_start], out_e[by_start], runs.length)
 
 
 def union_runs(a: ReaderRuns, b: ReaderRuns) -> ReaderRuns:
@@ -276,6 +313,8 @@ class ReadPlan:
         self._lookback = max(1, spec.batch_size)
         self._pending: dict[int, None] = {}  # run numbers, in order of start
         self._started: set[int] = set()  # run numbers
+        self._at: int | None = None  # the run it moved on to last
+        self._seen = 0  # runs before this one were looked at by _pass
         self._board_pos = self.pos
         self.board.write(self.me, spec.epoch, self.variant, self.pos)
 
@@ -295,21 +334,22 @@ class ReadPlan:
                 self._started.add(i)
                 if self._starts[i] <= self.pos:
                     return False  # asked again within its run
-                self._pass(self.pos, self._starts[i])
+                self._pass(self._starts[i])
                 self.pos = self._starts[i]
+                self._at = i
                 self._expire()
                 self._publish()
                 return True
         return False  # not in this reader's plan: random access
 
-    def _pass(self, old: int, new: int) -> None:
-        """The position moves from ``old`` to ``new``: the runs not started yet that start
-        in between and end within a batch of ``new`` are pending (see :meth:`start`)."""
-        lo = bisect.bisect_left(self._starts, old)
+    def _pass(self, new: int) -> None:
+        """The position moves on to ``new``: the runs not started yet that start before it
+        (not looked at before) and end within a batch of it are pending (see :meth:`start`)."""
         hi = bisect.bisect_left(self._starts, new)
-        for i in range(lo, hi):
+        for i in range(self._seen, hi):
             if i not in self._started and self._ends[i] > new - self._lookback:
                 self._pending[i] = None
+        self._seen = max(self._seen, hi)
 
     def _expire(self) -> None:
         """Drop the pending runs that ended more than a batch before the position: never
@@ -337,12 +377,15 @@ class ReadPlan:
         return ci is not None and self.reads_now(ci)
 
     def upcoming(self, count: int) -> list[int]:
-        """The next ``count`` distinct chunks this reader starts, from its position on
-        (the chunks of pending runs first, then the chunk it starts at its position; those
-        it started before are not repeated)."""
+        """The next ``count`` distinct chunks this reader starts, from its position on:
+        the chunk it moved on to last, the chunks of pending runs, then the chunks it
+        starts from its position (those it started before are not repeated)."""
         while self._next < len(self._chunks) and self._starts[self._next] < self.pos:
             self._next += 1  # runs are ordered by start and the position only grows
-        out: dict[int, None] = dict.fromkeys(self._chunks[i] for i in self._pending)
+        # The chunk it started last comes first: it is asked for right after this hint,
+        # and a hint whose first chunks leave it out would cancel its prefetch.
+        first = [self._chunks[self._at]] if self._at is not None else []
+        out = dict.fromkeys(first + [self._chunks[i] for i in self._pending])
         i = self._next
         while i < len(self._chunks) and len(out) < count:
             out[self._chunks[i]] = None

@@ -90,7 +90,9 @@ def test_a_budget_below_the_minimum_is_refused_at_start_and_the_minimum_is_enoug
     found = re.search(r"below the minimum of (\d+) bytes", str(err.value))
     assert found, str(err.value)
     minimum = int(found.group(1))
-    assert 4 * chunk <= minimum <= 7 * chunk  # and the window the two workers share
+    # and the window the two workers share; a worker assembling whole batches of 8 holds
+    # every chunk of a batch, up to two of each window a batch straddles
+    assert 4 * chunk <= minimum <= 10 * chunk
     # At exactly the minimum (no room to prefetch), still each chunk once.
     dl = loader(remote, proxy, tmp_path / "exact", minimum, True, objstore)
     keys, gets = epoch(dl, proxy)

@@ -159,8 +159,9 @@ def test_a_prefetch_that_would_push_out_a_chunk_still_to_be_read_is_deferred(tmp
     assert "chunk-0-4.bin" not in os.listdir(store.root), "the furthest one went"
 
 
-def small_plan(tmp_path, batch_size: int) -> ReadPlan:
-    """One reader of 40 items in 10 chunks of 4, in order: chunk c is read over [4c, 4c+4)."""
+def small_plan(tmp_path, batch_size: int, skipped: int = 0) -> ReadPlan:
+    """One reader of 40 items in 10 chunks of 4, in order: chunk c is read over [4c, 4c+4),
+    runs widened to the batches they touch."""
     src = str(tmp_path / "src")
     w = ChunkWriter(src, 0, chunk_bytes=4 * 200)
     for i in range(40):
@@ -184,32 +185,44 @@ def small_plan(tmp_path, batch_size: int) -> ReadPlan:
     )
     root = tmp_path / "cache"
     os.makedirs(root / ".locks")
-    return ReadPlan(index, spec, PlanCache(index, spec), str(root))
+    return ReadPlan(index, spec, PlanCache(index, spec), str(root), skipped)
+
+
+def test_a_reader_of_whole_batches_holds_every_chunk_of_a_batch(tmp_path):
+    # Batches of 8 positions: chunks 0 and 1 are both read over [0, 8), so asking for
+    # chunk 1 first does not make chunk 0 look consumed, and the minimum counts both.
+    rp = small_plan(tmp_path, batch_size=8)
+    assert rp.upcoming(3) == [0, 1, 2]
+    assert not rp.start(1) and not rp.start(0)  # both read now, from position 0
+    assert rp.reads_now(0) and rp.reads_now(1) and not rp.reads_now(2)
+    assert rp.policy.min_bytes == 2 * max(rp.index.bytes_per_chunk.tolist())
+    assert rp.start(3)  # the next batch
+    assert rp.pos == 8 and rp.board.read()[0] == (0, 0, 8)
+    rp.close()
 
 
 def test_a_batch_asking_for_its_chunks_out_of_order_keeps_the_run_it_passed(tmp_path):
-    # A batch of positions [0, 8) asks for chunk 1 before chunk 0 (its chunks in number
-    # order, say). Chunk 0's run is passed but not read yet: it must stay hinted and on the
-    # board, or a prefetch of it is cancelled and it is evicted as consumed, then fetched
-    # again (seen with two ranks: a chunk GET twice in a cold epoch).
-    rp = small_plan(tmp_path, batch_size=8)
-    assert rp.start(1)
-    assert rp.pos == 4
-    assert rp.board.read()[0] == (0, 0, 0), "held at the passed run's start"
-    assert rp.upcoming(2) == [0, 1]
-    assert rp.reads_now(0) and rp.reads_now(1)
-    assert not rp.start(0)  # the passed run, started now
-    assert rp.board.read()[0] == (0, 0, 4)
-    assert not rp.reads_now(0)
-    # A run passed and never started (its items read by range) holds the board only
-    # until the position is a batch past its end.
-    assert rp.start(4)  # passes runs 2 and 3 ([8, 12) and [12, 16))
+    # Resumed at position 4, the reader's batches are [4, 12), [12, 20)...: not those the
+    # plan widened its runs to. The batch [4, 12) asks for chunk 2 before chunk 1 (its
+    # chunks in number order, say). Chunk 1's run is passed but not read yet: it must stay
+    # hinted and on the board, or its prefetch is cancelled and it is evicted as consumed,
+    # then fetched again (seen with two ranks: a chunk GET twice in a cold epoch).
+    rp = small_plan(tmp_path, batch_size=8, skipped=4)
+    assert rp.start(2)
+    assert rp.pos == 8
+    assert rp.board.read()[0] == (0, 0, 0), "held at the passed runs' start"
+    # the chunk just started first (asked for right after the hint), then the passed ones
+    assert rp.upcoming(4) == [2, 0, 1, 3]
+    assert rp.reads_now(1)
+    assert not rp.start(1)  # the passed run, started now
+    assert rp.board.read()[0] == (0, 0, 0), "chunk 0's run: still pending"
+    # A run passed and never started (chunk 0: skipped; or items read by range) holds the
+    # board only until the position is a batch past its end.
+    assert rp.start(4)  # position 16: chunk 0's run [0, 8) expires, chunk 3's is passed
     assert rp.board.read()[0] == (0, 0, 8)
-    assert rp.start(5)  # position 20: run 2 ended 12 <= 20 - 8, run 3 still pending
-    assert rp.board.read()[0] == (0, 0, 12)
-    assert rp.start(6)  # position 24: both expired
-    assert rp.board.read()[0] == (0, 0, 24)
-    assert rp.upcoming(1) == [6]
+    assert not rp.reads_now(0) and rp.reads_now(3)
+    assert not rp.start(3)
+    assert rp.board.read()[0] == (0, 0, 16)
     rp.close()
 
 
