@@ -116,11 +116,6 @@ class Downloader:
         # (FIRST_READ_BYTES per reader per epoch), and behind the epoch's first prefetches
         # they would wait for a whole part to finish, which is what they are there to avoid.
         self._range_gate = PriorityGate(settings.max_concurrency)
-        # Clear while range reads are in flight: chunk bodies wait (bounded), so on a
-        # link bound by CPU the range reads are not one stream among a window's parts.
-        self._hold = asyncio.Event()
-        self._hold.set()
-        self._ranges_inflight = 0
         self._verify_local = verify_local
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
@@ -165,16 +160,6 @@ class Downloader:
         return self._lt.submit(self._read_ranges(name, ranges))
 
     async def _read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
-        self._ranges_inflight += 1
-        self._hold.clear()
-        try:
-            return await self._gather_ranges(name, ranges)
-        finally:
-            self._ranges_inflight -= 1
-            if not self._ranges_inflight:
-                self._hold.set()
-
-    async def _gather_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
         return await gather_or_cancel(
             read_range(
                 self.storage,
@@ -445,7 +430,6 @@ class Downloader:
                 hasher=hasher if start == 0 else None,
                 min_bytes_per_s=self.settings.min_bytes_per_s,
                 progress=clock,
-                hold=self._hold,
             )
             for start, end in parts
         )

@@ -29,7 +29,6 @@ class Hasher(Protocol):
 log = logging.getLogger(__name__)
 
 _ACLOSE_S = 5.0  # the bound on closing an abandoned response
-HOLD_MAX_S = 1.0  # the longest a body is held back for more urgent requests at once
 
 
 def split_parts(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -53,7 +52,6 @@ async def fetch_range(
     hasher: Hasher | None = None,
     min_bytes_per_s: int = 0,
     progress: ProgressClock | None = None,
-    hold: asyncio.Event | None = None,
 ) -> None:
     """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
 
@@ -63,9 +61,7 @@ async def fetch_range(
     A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte, or
     fewer than ``min_bytes_per_s`` over a ``timeout_s`` window) is retried after a
     backoff, resuming from the first byte not yet received. ``progress`` (optional) is
-    touched as bytes land and attempts start and end, for waiters on other threads.
-    ``hold`` (optional): while it is clear, the body is not read on (at most
-    ``HOLD_MAX_S`` at a time), so that more urgent requests have the link. Each
+    touched as bytes land and attempts start and end, for waiters on other threads. Each
     attempt holds one ``slot()`` of the process's concurrency limit while its request is
     open, and not while it sleeps.
 
@@ -91,7 +87,6 @@ async def fetch_range(
                     stats,
                     hasher,
                     progress,
-                    hold,
                 )
             if cursor[0] < end:
                 raise TransientError(
@@ -136,7 +131,6 @@ async def _stream(
     stats: DownloadStats,
     hasher: Hasher | None,
     progress: ProgressClock | None,
-    hold: asyncio.Event | None = None,
 ) -> None:
     """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
     pos = cursor[0]
@@ -163,10 +157,6 @@ async def _stream(
                 flushed = pos
             if pos >= end:
                 break
-            if hold is not None and not hold.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(hold.wait(), HOLD_MAX_S)
-                watchdog.progress()  # held back on purpose, not stalled
     except asyncio.CancelledError:
         if not watchdog.fired:
             raise
