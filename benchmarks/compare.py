@@ -512,10 +512,16 @@ def run(args: argparse.Namespace) -> None:
             # optimize sets the start method process-wide, hence the writers' own process.
             if mp.get_start_method() != "fork":
                 raise SystemExit(f"start method {mp.get_start_method()!r}, not fork")
+            # Imports aside: each library is imported before any clock starts.
+            from streaming_epoch import ListIterable  # noqa: F401
+
+            import asynccache.torch  # noqa: F401
+
             if "litdata" in libs:
                 litdata_http()
             if "mosaic" in libs:
                 torchvision_shim()
+                import streaming  # noqa: F401
             lim = Limits()
             for rep in range(args.reps):
                 print(f"rep {rep}", flush=True)
