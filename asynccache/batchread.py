@@ -207,19 +207,25 @@ class ChunkForms:
         # Equal-size items: their headers can be compared as rows of a strided view.
         self._size = int(sizes[0]) if n > 1 and bool(np.all(sizes == sizes[0])) else 0
         self.item_size = self._size  # 0: items of differing sizes
+        self._asked = False
 
     def _learn(self, positions: np.ndarray) -> None:
         todo = positions[self.form_id[positions] == -2]
         if not len(todo):
             return
-        todo = np.unique(todo)
+        todo = np.sort(todo)  # (duplicates are skipped below; np.unique imports numpy.ma)
+        # The first batch compares only its own items (it is waited for); later ones
+        # sweep the rest of the chunk at once.
+        sweep = self._asked
+        self._asked = True
         for p in todo.tolist():
             if self.form_id[p] != -2:
                 continue
             self._parse_one(p)
             if self._size and self.form_id[p] >= 0:
-                # Every item of the chunk not parsed yet whose header is this one's.
-                self._copy_same_headers(p, np.flatnonzero(self.form_id == -2))
+                # The items not parsed yet whose header is this one's.
+                rest = np.flatnonzero(self.form_id == -2) if sweep else todo
+                self._copy_same_headers(p, rest)
 
     def _parse_one(self, p: int) -> None:
         a, b = int(self.offsets[p]), int(self.offsets[p + 1])

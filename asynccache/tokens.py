@@ -150,7 +150,7 @@ class TokenUnits:
         starts, offsets = self.layout.locate_many(blocks)
         lasts = self.layout.last_chunks(blocks)
         inside = starts == lasts
-        for c in np.unique(starts[inside]).tolist():
+        for c in dict.fromkeys(starts[inside].tolist()):
             sel = np.nonzero(inside & (starts == c))[0]
             src = reader.chunk_tokens(c).view(np.uint8)
             off = offsets[sel].astype(np.int64)

@@ -585,11 +585,11 @@ class StreamingDataset(IterableDataset[Any]):
         chunks, positions = self.index.locate_many(keys)
         self._reader.expect(chunks, positions)  # the first batch: items by range
         early = getattr(self._reader, "_early", None)  # items read by range, by chunk
-        if early and any(c in early for c in np.unique(chunks).tolist()):
+        if early and any(c in early for c in dict.fromkeys(chunks.tolist())):
             return self._collated(keys, row, chunks, positions)  # items read by range
         parts = []
         form: Form | None = None
-        for c in np.unique(chunks).tolist():
+        for c in dict.fromkeys(chunks.tolist()):
             sel = np.nonzero(chunks == c)[0]
             cf = self._chunk_forms(c)
             pos = positions[sel]
