@@ -6,8 +6,9 @@ repetition, reads two epochs through one ``CacheDataLoader`` (fresh cache dir) f
 budget: unbounded (the default 50 GiB), then 1.0, 0.5 and 0.25 of the dataset's bytes.
 
 Every GET goes through a fault proxy (no faults) that runs in a process of its own and
-counts the GETs of each chunk, so *bytes fetched ÷ dataset* counts what every DataLoader
-worker downloaded. In the same run, the limits: (i) raw GET, every chunk fetched by a bare
+counts the GETs of each chunk, so *bytes fetched ÷ dataset* counts the whole chunks every
+DataLoader worker downloaded; the first items a reader fetches by range before their
+chunks land (``ASYNCCACHE_FIRST_READ_BYTES``, never cached) are counted apart. In the same run, the limits: (i) raw GET, every chunk fetched by a bare
 aiohttp loop (``limits.raw_get``) straight from the store, and again through the proxy,
 at the concurrency a cold epoch can have in flight.
 
@@ -54,11 +55,11 @@ def proxy_main(upstream: str, conn: Connection) -> None:
             if cmd == "stop":
                 return
             log = proxy.requests
-            gets = collections.Counter(
-                os.path.basename(r.path)
-                for r in log[seen:]
-                if r.method == "GET" and os.path.basename(r.path).startswith("chunk-")
-            )
+            gets: dict[str, list[str | None]] = collections.defaultdict(list)
+            for r in log[seen:]:
+                name = os.path.basename(r.path)
+                if r.method == "GET" and name.startswith("chunk-"):
+                    gets[name].append(r.range)
             seen = len(log)
             conn.send(dict(gets))
 
@@ -75,11 +76,12 @@ class Counter:
             raise SystemExit("the counting proxy did not start")
         self.url: str = self._conn.recv()
 
-    def take(self) -> dict[str, int]:
+    def take(self) -> dict[str, list[str | None]]:
+        """The Range header (None: none) of each chunk GET since the last take, by name."""
         self._conn.send("count")
         if not self._conn.poll(60):
             raise SystemExit("the counting proxy did not answer")
-        got: dict[str, int] = self._conn.recv()
+        got: dict[str, list[str | None]] = self._conn.recv()
         return got
 
     def close(self) -> None:
@@ -87,6 +89,31 @@ class Counter:
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+def split_gets(
+    gets: dict[str, list[str | None]], sizes: dict[str, int], part: int
+) -> tuple[collections.Counter[str], int]:
+    """Whole-chunk downloads per chunk (a GET without a range or of one whole part, from a
+    part boundary to the next or the chunk's end; a chunk's parts count once each), and the
+    bytes of the other GETs: a reader's range reads of its first items before their
+    chunks land (``ASYNCCACHE_FIRST_READ_BYTES``), never cached."""
+    whole: collections.Counter[str] = collections.Counter()
+    ranged = 0
+    for name, ranges in gets.items():
+        parts = 0
+        for rng in ranges:
+            m = re.fullmatch(r"bytes=(\d+)-(\d+)", rng or "")
+            if m is None:
+                parts += -(-sizes[name] // part)
+                continue
+            start, end = int(m.group(1)), int(m.group(2)) + 1
+            if start % part == 0 and end == min(start + part, sizes[name]):
+                parts += 1
+            else:
+                ranged += end - start
+        whole[name] = -(-parts // -(-sizes[name] // part))  # downloads: parts / parts per chunk
+    return whole, ranged
 
 
 def chunk_sizes(served: Served) -> dict[str, int]:
@@ -103,6 +130,7 @@ class Row:
     rate: list[list[float]] = field(default_factory=lambda: [[], []])  # MiB/s per epoch
     vs_unbounded: list[float] = field(default_factory=list)  # cold MiB/s ÷ unbounded's
     twice: int = 0  # chunks fetched more than once in one epoch, all reps
+    ranged: list[float] = field(default_factory=list)  # epoch 1's range reads ÷ dataset
     below: int = 0  # the minimum budget, when this budget was refused as below it
 
 
@@ -115,8 +143,9 @@ def two_epochs(
     shuffle: bool,
     seed: int,
     args: argparse.Namespace,
-) -> list[tuple[float, float, int]]:
-    """(bytes fetched ÷ dataset, MiB/s, chunks fetched twice) of two epochs."""
+) -> list[tuple[float, float, int, float]]:
+    """(bytes of whole chunks fetched ÷ dataset, MiB/s, chunks fetched twice, bytes read by
+    range ÷ dataset) of two epochs."""
     sizes = chunk_sizes(served)
     out = []
     counter.take()
@@ -135,13 +164,14 @@ def two_epochs(
         seconds = time.perf_counter() - started
         if items != served.n_items:
             raise SystemExit(f"an epoch yielded {items} of {served.n_items} items")
-        gets = counter.take()
-        fetched = sum(sizes[name] * n for name, n in gets.items())
+        whole, ranged = split_gets(counter.take(), sizes, ds.settings.part_bytes)
+        fetched = sum(sizes[name] * n for name, n in whole.items())
         out.append(
             (
                 fetched / served.payload,
                 served.payload / 2**20 / seconds,
-                sum(1 for n in gets.values() if n > 1),
+                sum(1 for n in whole.values() if n > 1),
+                ranged / served.payload,
             )
         )
         started = time.perf_counter()
@@ -205,17 +235,20 @@ def run(args: argparse.Namespace) -> None:
                                 )
                                 shutil.rmtree(cache, ignore_errors=True)
                                 continue
-                            for e, (fetched, rate, twice) in enumerate(eps):
+                            for e, (fetched, rate, twice, ranged) in enumerate(eps):
                                 row.fetched[e].append(fetched)
                                 row.rate[e].append(rate)
-                                row.twice += twice if e == 0 else 0
+                                if e == 0:
+                                    row.twice += twice
+                                    row.ranged.append(ranged)
                             if b is None:
                                 unbounded = eps[0][1]
                             row.vs_unbounded.append(eps[0][1] / unbounded)
                             print(
                                 f"rep {rep} shuffle={shuffle} budget={b or 'unbounded'}: "
                                 f"fetched {eps[0][0]:.2f} / {eps[1][0]:.2f}, MiB/s "
-                                f"{eps[0][1]:,.0f} / {eps[1][1]:,.0f}; load {limits.loadavg()}",
+                                f"{eps[0][1]:,.0f} / {eps[1][1]:,.0f}; by range {eps[0][3]:.3f} / "
+                                f"{eps[1][3]:.3f}; load {limits.loadavg()}",
                                 flush=True,
                             )
             finally:
@@ -246,15 +279,15 @@ def report(
     print(
         "| shuffle | budget | epoch 1 fetched ÷ dataset | epoch 1 MiB/s | epoch 1 ÷ unbounded "
         "| epoch 1 ÷ raw GET (proxy) | epoch 2 fetched ÷ dataset | target ≤ | epoch 2 MiB/s "
-        "| chunks fetched twice in epoch 1 |"
+        "| chunks fetched twice in epoch 1 | epoch 1 read by range ÷ dataset |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (shuffle, b), row in rows.items():
         if row.below:
             label = "unbounded" if b is None else f"{b:g}"
             print(
                 f"| {'on' if shuffle else 'off'} | {label} | refused: below the minimum of "
-                f"{row.below / served.payload:.2f} x dataset | | | | | | | |"
+                f"{row.below / served.payload:.2f} x dataset | | | | | | | | |"
             )
             continue
         target = "-" if b is None else f"{1.1 * max(0.0, 1 - b):.3f}"
@@ -270,6 +303,7 @@ def report(
             target,
             limits.cell(row.rate[1]),
             str(row.twice),
+            limits.cell(row.ranged, ".3f"),
         ]
         print("| " + " | ".join(cells) + " |")
 
