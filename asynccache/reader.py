@@ -391,6 +391,7 @@ class Reader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._reset_early()  # a new process reads its first items by range again
         forksafe.register(self)
 
     def mapped(self, chunk: int) -> tuple[Any, np.ndarray]:
