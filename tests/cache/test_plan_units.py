@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from asynccache.readplan import union_runs
+from asynccache.readplan import union_runs, whole_batches
 from asynccache.sampling.partition import Segment
-from asynccache.sampling.runs import reader_runs
+from asynccache.sampling.runs import ReaderRuns, reader_runs
 
 
 def test_runs_of_start_and_last_chunks_are_joined():
@@ -24,3 +24,27 @@ def test_runs_of_start_and_last_chunks_are_joined():
     assert got == [(0, 0, 3), (1, 2, 6), (2, 5, 9), (3, 8, 10)]
     assert runs.length == 10
     assert union_runs(a, a).chunks.tolist() == a.chunks.tolist()
+
+
+def test_whole_batches_widens_each_run_to_its_batches_and_merges_a_chunks_overlaps():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n, length, bs = int(rng.integers(1, 30)), 200, int(rng.integers(2, 20))
+        starts = np.sort(rng.integers(0, length - 1, n))
+        ends = np.minimum(starts + rng.integers(1, 30, n), length)
+        runs = ReaderRuns(rng.integers(0, 6, n), starts, ends, length)
+        got = whole_batches(runs, bs)
+        # reference: per chunk, the positions covered by its widened runs
+        want: dict[int, set[int]] = {}
+        for c, s, e in zip(runs.chunks.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            a, b = s // bs * bs, min(-(-e // bs) * bs, length)
+            want.setdefault(c, set()).update(range(a, b))
+        have: dict[int, set[int]] = {}
+        for c, s, e in zip(
+            got.chunks.tolist(), got.starts.tolist(), got.ends.tolist(), strict=True
+        ):
+            assert not have.get(c, set()) & set(range(s, e)), "a chunk's runs overlap"
+            have.setdefault(c, set()).update(range(s, e))
+        assert have == want
+        assert got.starts.tolist() == sorted(got.starts.tolist())
+        assert got.length == length
