@@ -274,6 +274,12 @@ class Downloader:
                 except Deferred:
                     # A prefetch of it was deferred just before this caller came.
                     task = self._start(ChunkSpec(name, size, checksum))
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if not task.cancelled() or (me is not None and me.cancelling()):
+                        raise
+                    # The download was cancelled (a dropped prefetch), not this caller.
+                    task = self._start(ChunkSpec(name, size, checksum))
         except asyncio.CancelledError:
             # The caller gave up: the download goes on only if someone else wants it.
             if self._waiters[name] == 1 and not task.done() and not self._in_window(name):
@@ -330,7 +336,9 @@ class Downloader:
 
     def _start(self, spec: ChunkSpec) -> asyncio.Task[str]:
         task = self._inflight.get(spec.name)
-        if task is None or task.done():
+        # A task asked to cancel (a prefetch the hint dropped) ends in CancelledError,
+        # which its new caller must not get: it gets a download of its own.
+        if task is None or task.done() or task.cancelling():
             self._clocks[spec.name] = ProgressClock(self._all)
             task = asyncio.get_running_loop().create_task(
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"

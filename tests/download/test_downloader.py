@@ -244,3 +244,24 @@ def test_storage_contract_type() -> None:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def test_a_demand_just_after_its_prefetch_was_dropped_gets_the_chunk(tmp_path, lt) -> None:
+    """A reader asking for a chunk whose prefetch a new hint has just cancelled (the task
+    not finished yet) gets a download of its own, not the prefetch's CancelledError."""
+    objects = _objects(2, 100_000)
+    storage, _store, dl = _make(tmp_path, lt, objects, prefetch_chunks=1)
+    storage.delay_s = 0.3
+    dl.hint(["c0.bin"])
+    _wait(lambda: len(storage.reads) == 1)  # c0's prefetch is in flight
+
+    async def drop_then_demand() -> str:
+        dl._set_hint([ChunkSpec("c1.bin", 100_000)])  # c0 leaves the window: cancelled
+        dropped = dl._inflight["c0.bin"]
+        assert dropped.cancelling() and not dropped.done()
+        path = await dl.ensure_async("c0.bin", 100_000)
+        assert dropped.cancelled()  # the fault fired: the first download did end cancelled
+        return path
+
+    path = lt.call(drop_then_demand(), 10)
+    assert _read(path) == objects["c0.bin"]
