@@ -145,6 +145,7 @@ class Reader:
         self._verified: set[int] = set()
         self._lock = threading.Lock()
         self._ranged = ranged
+        self.unchecked_ranges = 0  # chunks of range-read items not in the cache at close
         self._reset_early()
         forksafe.register(self)
 
@@ -366,13 +367,19 @@ class Reader:
     def close(self) -> None:
         """Drop every mapping (items already returned stay valid).
 
-        First maps each chunk that items were read from by range and not yet compared
-        with (waiting for it to land, bounded as any read), so every item handed out is
-        checked; then the next epoch may read by range again.
+        First compares the items read by range with each chunk they came from that is
+        in the cache now (mapping it). A chunk that has not landed, or was evicted, is not
+        fetched for that: a loop broken after its first batch, or a budget that already
+        let the chunk go, would otherwise download whole chunks at close. Those ranges
+        stay unchecked (counted in ``unchecked_ranges``). Then the next epoch may read by
+        range again.
         """
         try:
             for ci in list(self._early):
-                self._chunk(ci)
+                if self._ranged is None or self._ranged.landed(ci):
+                    self._chunk(ci)
+                else:
+                    self.unchecked_ranges += 1
         finally:
             self._reset_early()
         with self._lock:

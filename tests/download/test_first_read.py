@@ -160,3 +160,22 @@ def test_a_damaged_range_is_caught_when_its_chunk_lands(remote, written, objstor
     assert len(cached) == 1
     with open(cached[0], "rb") as f:
         assert checksum(f.read()) == checksum((written / name).read_bytes())
+
+
+def test_a_loop_broken_after_its_first_items_fetches_nothing_to_check_them(
+    remote, written, objstore, tmp_path
+):
+    """Closing compares range-read items with the chunks in the cache only: it does not
+    download a chunk (or wait for one) just to check them."""
+    name, size, _ = _first_chunk(written)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=2.0))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _dataset(remote, options, tmp_path)
+        it = iter(ds)
+        first = next(it)
+        assert ds.source.stats.range_gets == 2 and first["i"] == 0  # read by range
+        it.close()  # the loop breaks while the first chunk is still held back
+        assert not ds.source.landed(0)
+        assert ds._reader.unchecked_ranges == 1  # not fetched, not waited for, counted
+        ds.close()
