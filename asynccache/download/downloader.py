@@ -450,10 +450,13 @@ class Downloader:
         with self._fast_mu:
             self._hit_names = []  # a new hint starts after them
         self._queue = specs
-        window = {s.name for s in self._window()}
+        # A prefetch in flight goes on while the new hint still names it, even past the
+        # window (a batch's chunks are asked for together, not one by one): cancelling it
+        # would throw away what it received and fetch it again moments later.
+        keep = {s.name for s in specs}
         for name in list(self._hinted):
             task = self._inflight.get(name)
-            if name not in window and not self._waiters.get(name) and task is not None:
+            if name not in keep and not self._waiters.get(name) and task is not None:
                 task.cancel()
                 self._hinted.discard(name)
         self._pump()
