@@ -7,6 +7,11 @@ import random
 
 __all__ = ["RetryPolicy"]
 
+# The jitter's own source: drawing from the ``random`` module would move the user's seeded
+# global state from a background thread (breaking their reproducibility), and a seeded
+# instance would give every forked worker the same waits. os.urandom has neither problem.
+_JITTER = random.SystemRandom()
+
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
@@ -31,7 +36,7 @@ class RetryPolicy:
     ) -> float:
         """Seconds to wait before the next attempt, after ``failures`` (>= 1) failures."""
         cap = min(self.max_s, self.base_s * (2 ** max(failures - 1, 0)))
-        wait = (rng or random).uniform(0.0, cap)
+        wait = (rng or _JITTER).uniform(0.0, cap)
         if retry_after is not None and retry_after > 0:
             wait = max(wait, min(retry_after, self.max_s))
         return wait

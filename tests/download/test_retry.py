@@ -39,3 +39,12 @@ def test_attempt_budget() -> None:
     policy = RetryPolicy(retries=2)
     assert [policy.should_retry(n) for n in (1, 2, 3)] == [True, True, False]
     assert not RetryPolicy(retries=0).should_retry(1)
+
+
+def test_jitter_leaves_the_global_random_state_alone() -> None:
+    """Backoff runs on the I/O thread; it must not move a user's seeded ``random``."""
+    random.seed(1234)
+    before = random.getstate()
+    waits = {RetryPolicy(base_s=1.0, max_s=1.0).delay(3) for _ in range(20)}
+    assert random.getstate() == before
+    assert len(waits) > 1  # still jittered
