@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from .. import lifeline
 from ..batchread import ChunkForms, Form, Leaf, assemble_into
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
@@ -440,6 +441,9 @@ class StreamingDataset(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         in_worker = get_worker_info() is not None
         if in_worker:
+            # A forkserver worker's parent is the fork server, which torch's watchdog
+            # watches instead of this loader's process: end with the real one.
+            lifeline.exit_with_parent()
             self._sync()
         pending, self._pending = self._pending, None
         if pending is not None:  # a worker's own state, loaded by a stateful DataLoader
