@@ -9,9 +9,9 @@
 
 Every temporary file of a run (ours, ``multiprocessing``'s, the object store's sockets, in
 this process and every child, which inherit ``TMPDIR``) goes under one directory per run,
-removed at the end. Each test is checked for temporary files of the library that outlive
-it (an upload's temp file, an ``optimize`` staging directory, a store's directory): a
-test that leaves one fails, naming it.
+removed at the end. Temporary files of the library that outlive every test and fixture
+(an upload's temp file, an ``optimize`` staging directory, a server's directory) fail
+the run, each named with the test during which it appeared.
 """
 
 from __future__ import annotations
@@ -69,25 +69,38 @@ def _leftovers() -> set[str]:
     return {name for name in os.listdir(run) if name.startswith(_OURS)}
 
 
+# Each temporary entry of ours, by the test during which it appeared.
+_BORN: dict[str, str] = {}
+
+
 @pytest.fixture(autouse=True)
-def _no_leftover_temp_files(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail a test that leaves temporary files of the library behind (names above)."""
+def _note_temp_files(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Note which test made each temporary file of the library (names above)."""
     before = _leftovers()
     yield
-    store = request.session.__dict__.get("_asynccache_objstore")
-    root = store.root if store is not None else None
-    left = _leftovers() - before - ({root.name} if root is not None else set())
-    if left:
-        pytest.fail(f"temporary files left behind: {sorted(left)}", pytrace=False)
+    for name in _leftovers() - before:
+        _BORN.setdefault(name, request.node.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if temporary files of the library outlive every test and fixture
+    (servers of a module or of the run included: they are stopped by now)."""
+    left = sorted(_leftovers())
+    if not left:
+        return
+    lines = [f"  {name}  (appeared during {_BORN.get(name, 'no test')})" for name in left]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "temporary files left behind", red=True)
+        reporter.write_line("\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
-def objstore(request: pytest.FixtureRequest) -> Iterator[ObjectStore]:
+def objstore() -> Iterator[ObjectStore]:
     """One SeaweedFS S3 server for the whole run."""
     with ObjectStore() as store:
-        request.session.__dict__["_asynccache_objstore"] = store
         yield store
-        request.session.__dict__.pop("_asynccache_objstore", None)
 
 
 @pytest.fixture
