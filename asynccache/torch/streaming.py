@@ -196,6 +196,11 @@ class StreamingDataset(IterableDataset[Any]):
         self._check_order()
         self._num_workers: int | None = None  # set by CacheDataLoader; else from torch
         self._progress = _Progress()
+        # Chunks a reader keeps mapped: in order it reads one chunk, and a batch or a
+        # token block may straddle the next; shuffled, a window is read at once, and a
+        # batch may straddle the next window. More would only keep mapped pages resident
+        # (a worker's memory) and chunks pinned.
+        self._open_chunks = shuffle_window + 2 if shuffle else 2
         self._reader = Reader(
             self.index,
             self.source.acquire,
@@ -203,7 +208,7 @@ class StreamingDataset(IterableDataset[Any]):
             ranged=self.source,
             verify=not self.source.remote,
             allow_pickle=allow_pickle,
-            max_open=shuffle_window + 2,
+            max_open=self._open_chunks,
         )
         self._yielded = 0
         self._rank_world = distributed.rank_and_world()
@@ -642,7 +647,7 @@ class StreamingDataset(IterableDataset[Any]):
         cf = forms.get(chunk)
         if cf is None or cf.buf is not mm:
             cf = forms[chunk] = ChunkForms(mm, offsets)
-            while len(forms) > self.shuffle_window + 2:
+            while len(forms) > self._open_chunks:
                 forms.popitem(last=False)
         forms.move_to_end(chunk)
         return cf
