@@ -22,7 +22,7 @@ import os
 import select
 import threading
 
-__all__ = ["EXIT_CODE", "exit_with_parent"]
+__all__ = ["EXIT_CODE", "exit_with_parent", "pid_alive"]
 
 EXIT_CODE = 70  # EX_SOFTWARE: "the process this one worked for is gone"
 
@@ -54,3 +54,14 @@ def _wait(sentinel: int) -> None:
     except (OSError, ValueError):  # the sentinel was closed under us: nothing to watch
         return
     os._exit(EXIT_CODE)
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

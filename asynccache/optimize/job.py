@@ -52,6 +52,7 @@ from ..errors import (
 )
 from ..format import INDEX_NAME, Index
 from ..fsutil import fsync_dir, publishing
+from ..lifeline import pid_alive
 from ..storage import Storage, open_storage
 from ..storage.local import TEMP_PREFIX
 
@@ -345,16 +346,6 @@ class Job:
 
 
 # -- the lease ----------------------------------------------------------------------
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def lease_is_live(doc: Mapping[str, Any], now: float, ttl_s: float) -> bool:

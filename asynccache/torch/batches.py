@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..batchread import Form
+from ..lifeline import pid_alive
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
 POOL_BYTES = 256 << 20  # ... and no more than about this much (at least 2 buffers)
@@ -176,7 +177,7 @@ class Pool:
         self._seq = itertools.count(1)
         pid = os.getpid()
         for k, mark in enumerate(self.cells.tolist()):
-            if mark and (mark >> 32 == pid or not _alive(mark >> 32)):
+            if mark and (mark >> 32 == pid or not pid_alive(mark >> 32)):
                 self.cells[k] = 0  # left by a dead process (or this pid's previous life)
 
     def _id(self) -> int:
@@ -221,16 +222,6 @@ class Pool:
             storage = buf.untyped_storage()
             count(self.block, self.row, "sent_buffers")
         return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _TORCH_DTYPES: dict[tuple[str, str], torch.dtype | None] = {}
