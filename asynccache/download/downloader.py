@@ -276,7 +276,7 @@ class Downloader:
                     task = self._start(ChunkSpec(name, size, checksum))
                 except asyncio.CancelledError:
                     me = asyncio.current_task()
-                    if not task.cancelled() or (me is not None and me.cancelling()):
+                    if self._closed or not task.cancelled() or (me is not None and me.cancelling()):
                         raise
                     # The download was cancelled (a dropped prefetch), not this caller.
                     task = self._start(ChunkSpec(name, size, checksum))
