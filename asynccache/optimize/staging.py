@@ -1,11 +1,13 @@
 """Staging directories of ``optimize`` workers: each held by its owner, swept once orphaned.
 
-A worker stages closed chunks in ``asynccache-staging-*`` under the staging directory
-(default: the temp directory) and removes it when done. A worker killed with ``kill -9``
-cannot, so each staging directory holds an ``.owner`` file its process keeps
-flock-ed. The next worker to make a staging directory in the same place removes those
-whose lock nobody holds: their owner is gone, whoever it was. A directory without an
-owner file (being made this instant, or not made by this code) is left alone.
+A worker stages closed chunks in ``asynccache-staging-<pid>-*`` under the staging
+directory (default: the temp directory) and removes it when done. A worker killed with
+``kill -9`` cannot, so each staging directory holds an ``.owner`` file its process keeps
+flock-ed. The next worker to make a staging directory in the same place (and a driver
+that killed its workers) removes those whose lock nobody holds: their owner is gone,
+whoever it was. One without an owner file is removed only when the pid in its name is
+gone (its worker was killed between making it and locking it); one whose name carries no
+pid (not made by this code) is left alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 
 from .. import forksafe
 from ..cache.locks import try_lock
+from ..lifeline import pid_alive
 
 __all__ = ["PREFIX", "StagingDir", "sweep_orphans"]
 
@@ -29,7 +32,7 @@ class StagingDir:
     def __init__(self, parent: str | None = None) -> None:
         parent = parent or tempfile.gettempdir()
         sweep_orphans(parent)
-        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
         self._pid = os.getpid()  # a forked child's copy removes nothing
         self._fd: int | None = forksafe.open_fd(
             os.path.join(self.path, _OWNER), os.O_RDWR | os.O_CREAT, 0o600
@@ -57,7 +60,13 @@ def sweep_orphans(parent: str) -> list[str]:
         path = os.path.join(parent, name)
         try:
             fd = os.open(os.path.join(path, _OWNER), os.O_RDWR)
-        except OSError:  # no owner file: not ours to judge
+        except FileNotFoundError:  # killed before it locked, or being made this instant
+            pid = name[len(PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        except OSError:
             continue
         try:
             if try_lock(fd, exclusive=True):

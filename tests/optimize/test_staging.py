@@ -61,3 +61,14 @@ def test_a_forked_child_removes_nothing(tmp_path) -> None:
     assert sweep_orphans(str(tmp_path)) == []  # the child did not take our lock away
     d.close()
     assert not os.path.exists(d.path)
+
+
+def test_one_killed_before_it_locked_is_swept_by_the_pid_in_its_name(tmp_path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    orphan = tmp_path / f"{PREFIX}{gone.pid}-abc"  # made, never locked: no .owner
+    orphan.mkdir()
+    live = tmp_path / f"{PREFIX}{os.getppid()}-abc"  # a live pid, no .owner yet: kept
+    live.mkdir()
+    assert sweep_orphans(str(tmp_path)) == [str(orphan)]
+    assert live.is_dir()
