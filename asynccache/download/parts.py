@@ -97,19 +97,38 @@ async def fetch_range(
             return
         except TransientError as exc:
             failures += 1
-            if not policy.should_retry(failures):
-                raise RetriesExhaustedError(
-                    f"gave up on {storage.object_url(key)} bytes {start}-{end} after "
-                    f"{failures} attempts; last error: {exc}",
-                    url=storage.object_url(key),
-                    attempts=failures,
-                ) from exc
-            stats.retries += 1
-            delay = policy.delay(failures, exc.retry_after)
+            delay = next_delay(storage, key, (start, end), failures, exc, policy, stats)
             if progress is not None:
                 progress.quiet(delay)  # a bounded sleep, not a stall
             log.debug("retrying %s at byte %d in %.2fs: %s", key, cursor[0], delay, exc)
             await asyncio.sleep(delay)
+
+
+def next_delay(
+    storage: Storage,
+    key: str,
+    span: tuple[int, int],
+    failures: int,
+    exc: TransientError,
+    policy: RetryPolicy,
+    stats: DownloadStats,
+) -> float:
+    """Seconds to wait before retrying bytes ``span`` of ``key`` after ``failures``
+    failed attempts (the last ``exc``), counted in ``stats``.
+
+    Raises:
+        RetriesExhaustedError: ``policy`` allows no more; names the URL, the byte range,
+            the attempts and the last cause (chained).
+    """
+    if not policy.should_retry(failures):
+        raise RetriesExhaustedError(
+            f"gave up on {storage.object_url(key)} bytes {span[0]}-{span[1]} after "
+            f"{failures} attempts; last error: {exc}",
+            url=storage.object_url(key),
+            attempts=failures,
+        ) from exc
+    stats.retries += 1
+    return policy.delay(failures, exc.retry_after)
 
 
 class _Limits:

@@ -15,8 +15,9 @@ from contextlib import AbstractAsyncContextManager
 
 import numpy as np
 
-from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
+from ..errors import StorageTimeoutError, TransientError
 from ..storage.base import Storage
+from .parts import next_delay
 from .retry import RetryPolicy
 from .stats import DownloadStats
 
@@ -82,13 +83,6 @@ async def read_range(
                     url=storage.object_url(key),
                 )
             failures += 1
-            if not policy.should_retry(failures):
-                raise RetriesExhaustedError(
-                    f"gave up on {storage.object_url(key)} bytes {start}-{end} after "
-                    f"{failures} attempts; last error: {exc}",
-                    url=storage.object_url(key),
-                    attempts=failures,
-                ) from exc
-            stats.retries += 1
-            retry_after = exc.retry_after if isinstance(exc, TransientError) else None
-            await asyncio.sleep(policy.delay(failures, retry_after))
+            await asyncio.sleep(
+                next_delay(storage, key, (start, end), failures, exc, policy, stats)
+            )
