@@ -135,22 +135,23 @@ def _walk(node: list[Any], leaves: list[Leaf], where: list[Any]) -> Tree | None:
             if k[0] not in ("s", "i"):
                 return None
             keys.append(k[1])
-        children = []
-        for v in node[2]:
-            sub = _walk(v, leaves, where)
-            if sub is None:
-                return None
-            children.append(sub)
-        return ("dict", tuple(keys), tuple(children))
+        children = _walk_all(node[2], leaves, where)
+        return None if children is None else ("dict", tuple(keys), children)
     if tag in ("l", "u"):
-        children = []
-        for v in node[1]:
-            sub = _walk(v, leaves, where)
-            if sub is None:
-                return None
-            children.append(sub)
-        return ("list", tuple(children))
+        children = _walk_all(node[1], leaves, where)
+        return None if children is None else ("list", children)
     return None
+
+
+def _walk_all(nodes: Any, leaves: list[Leaf], where: list[Any]) -> tuple[Any, ...] | None:
+    """:func:`_walk` of each node; None as soon as one has no form."""
+    out = []
+    for v in nodes:
+        sub = _walk(v, leaves, where)
+        if sub is None:
+            return None
+        out.append(sub)
+    return tuple(out)
 
 
 def parse(buf: Any, start: int, end: int) -> tuple[Form, list[Any]] | None:
