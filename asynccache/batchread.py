@@ -24,18 +24,29 @@ header bytes equal those of an item already seen shares its form and values (one
 vectorised comparison for the items of a chunk of equal-size items); any other item's
 header is parsed once.
 
+Memory: given a chunk mapping that carries its open file (``fd``, the reader's
+``ChunkMap``), rows of at least ``_LARGE_ROW`` bytes are copied from the file with
+``preadv`` straight into the batch buffer (one copy per byte, from the page cache), and the
+mapping's pages touched to learn the items' headers are dropped again; the page cache then
+holds the chunk, not the reading process (its PSS). Smaller rows are copied through the
+mapping, vectorised (a system call per row would cost more than the row).
+
 Layer: above :mod:`asynccache.format`; pure (numpy and msgpack), torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import os
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from .errors import TruncatedChunkError
 
 __all__ = ["ChunkForms", "Form", "Leaf", "assemble_into", "copy_rows", "layout"]
 
@@ -198,6 +209,16 @@ class ChunkForms:
         self.u8 = np.frombuffer(buf, np.uint8)
         self.offsets = offsets
         n = len(offsets) - 1
+        # The chunk's open file, when ``buf`` carries one: large rows are read from it.
+        self.fd: int | None = getattr(buf, "fd", None)
+        self.path: str = getattr(buf, "path", "chunk")
+        # Drop the pages read to learn headers, when the rows will come from the file.
+        self._drop = (
+            self.fd is not None
+            and n > 0
+            and int(offsets[-1] - offsets[0]) >= _LARGE_ROW * n
+            and hasattr(buf, "madvise")
+        )
         self.form_id = np.full(n, -2, np.int64)  # -2 not parsed yet, -1 no form
         self.forms: list[Form] = []
         self._index: dict[Form, int] = {}
@@ -227,6 +248,8 @@ class ChunkForms:
                 # The items not parsed yet whose header is this one's.
                 rest = np.flatnonzero(self.form_id == -2) if sweep else todo
                 self._copy_same_headers(p, rest)
+        if self._drop:
+            self.buf.madvise(mmap.MADV_DONTNEED)  # the headers are learned: unmap their pages
 
     def _parse_one(self, p: int) -> None:
         a, b = int(self.offsets[p]), int(self.offsets[p + 1])
@@ -314,7 +337,8 @@ def assemble_into(
                 continue
             rows = out[start : start + n * batch].reshape(batch, n)
             for cf, pos, sel in parts:
-                copy_rows(cf.u8, cf.leaf_data(form, pos, i), n, rows, sel, pos, cf.item_size)
+                offs = cf.leaf_data(form, pos, i)
+                copy_rows(cf.u8, offs, n, rows, sel, pos, cf.item_size, fd=cf.fd, name=cf.path)
         else:
             dt = np.dtype(leaf.dtype)
             vals = out[start : start + dt.itemsize * batch].view(dt)
@@ -330,8 +354,15 @@ def copy_rows(
     sel: np.ndarray,
     pos: np.ndarray,
     stride: int,
+    *,
+    fd: int | None = None,
+    name: str = "chunk",
 ) -> None:
     """``rows[sel[j]] = src[offs[j] : offs[j] + n]``, one copy per byte.
+
+    With ``fd`` (the file ``src`` maps) rows of at least ``_LARGE_ROW`` bytes are read from
+    it by ``preadv``, one call per row: the page cache copies them, and no page of the
+    chunk gets mapped into this process (``name``: the file, for errors).
 
     When the sources are evenly spaced by ``stride`` (item ``pos[j]`` at ``anchor +
     pos[j] * stride``: a chunk of equal-size items, or the blocks of a token chunk) they
@@ -343,6 +374,9 @@ def copy_rows(
     """
     k = len(offs)
     if not k:
+        return
+    if fd is not None and n >= _LARGE_ROW:
+        _pread_rows(fd, offs, n, rows, sel, name)
         return
     r0 = int(sel[0])
     run = int(sel[-1]) - r0 == k - 1 and (k == 1 or bool(np.all(np.diff(sel) == 1)))
@@ -371,3 +405,19 @@ def copy_rows(
             return
     for r, o in zip(sel.tolist(), offs.tolist(), strict=True):
         rows[r] = src[o : o + n]
+
+
+def _pread_rows(
+    fd: int, offs: np.ndarray, n: int, rows: np.ndarray, sel: np.ndarray, name: str
+) -> None:
+    """``rows[sel[j]] = bytes [offs[j], offs[j] + n)`` of ``fd``, one ``preadv`` a row.
+
+    Raises:
+        TruncatedChunkError: the file ``name`` ends inside a row.
+    """
+    for r, o in zip(sel.tolist(), offs.tolist(), strict=True):
+        got = os.preadv(fd, [rows[r]], o)
+        if got != n:  # the file is shorter than its offsets table says
+            raise TruncatedChunkError(
+                f"{name}: the file ends at byte {o + got}, inside an item's {n} bytes at {o}"
+            )

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -71,10 +72,38 @@ class _Early:
 
 
 class _Mapped:
-    __slots__ = ("mm", "path", "view")
+    __slots__ = ("batch", "mm", "path", "view")
 
     def __init__(self, mm: Any, view: ChunkView, path: str) -> None:
         self.mm, self.view, self.path = mm, view, path
+        self.batch: Any = None  # the chunk's ChunkMap for batch assembly, once asked for
+
+
+class ChunkMap(mmap.mmap):
+    """A read-only shared mapping of a chunk file, with the file open (``fd``) beside it,
+    for batch assembly (:mod:`asynccache.batchread`).
+
+    Not the reader's own copy-on-write mapping: nothing hands out views of this one, so
+    its pages can be dropped (``madvise(MADV_DONTNEED)``) once read, and large items can
+    be copied from ``fd`` by ``preadv`` instead of through the mapping. Either way the
+    bytes come from the page cache, and mapped pages of chunks already read do not stay
+    in the process's memory (PSS). The file closes when the mapping is collected.
+    """
+
+    fd: int
+    path: str
+
+    @classmethod
+    def open(cls, path: str, size: int) -> ChunkMap:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            m = cls(fd, size, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        m.fd, m.path = fd, path
+        weakref.finalize(m, os.close, fd).atexit = False
+        return m
 
 
 def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, ChunkView]:
@@ -101,6 +130,11 @@ def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, Chunk
             raise ChecksumMismatchError(
                 f"{path}: checksum {got} does not match the index ({entry.checksum})"
             )
+        # Hashing mapped every page: unmap them (nothing points into the mapping yet, so
+        # nothing is lost; the pages stay in the page cache), or the whole chunk would stay
+        # in this process's memory for as long as it is open.
+        if size:
+            mm.madvise(mmap.MADV_DONTNEED)
     view = ChunkView(mm, path)
     if len(view) != entry.items:
         raise TruncatedChunkError(f"{path}: holds {len(view)} items, the index says {entry.items}")
@@ -402,11 +436,15 @@ class Reader:
         forksafe.register(self)
 
     def mapped(self, chunk: int) -> tuple[Any, np.ndarray]:
-        """Chunk ``chunk``'s mapping and item offsets table (``count + 1`` int64 byte
-        offsets), for readers that copy many items at once (batch assembly). The mapping
-        stays valid for as long as it is referenced, like an item's."""
+        """Chunk ``chunk``'s bytes and item offsets table (``count + 1`` int64 byte
+        offsets), for readers that copy many items at once (batch assembly): a
+        :class:`ChunkMap` of the file (the same one while this reader keeps the chunk
+        open; ``b""`` for an empty chunk). It stays valid for as long as it is
+        referenced, like an item's."""
         m = self._chunk(chunk)
-        return m.mm, m.view._offsets
+        if m.batch is None:
+            m.batch = ChunkMap.open(m.path, len(m.mm)) if len(m.mm) else m.mm
+        return m.batch, m.view._offsets
 
 
 def _coalesce(spans: list[tuple[int, int]], gap: int, most: int) -> list[tuple[int, int]]:
