@@ -25,6 +25,18 @@ buffer frees as soon as the pinned / device copy is made and the batch dropped.
 
 Cells left behind by a worker process that died (a batch it sent that was never
 received) are reclaimed by the next worker process on that row.
+
+**Each worker process has a row of its own.** Two loaders iterating one dataset at the
+same time (two ``CacheDataLoader`` objects over it, zipped; a persistent loader's idle
+workers beside a new loader's) have workers with the same ids. A worker claims a row when
+it makes its pool: its preferred row (its worker id) if no other live process owns it,
+else the next row that none does; the owner's pid is kept in the row. Claims are not
+atomic: two workers starting at the same moment can both write the same row's owner, and
+the last write wins. So before it hands a batch over, a worker checks that the row is
+still its own, with the batch's mark already written in its cell; one that lost the row
+claims another and starts a fresh set of buffers there (the consumer may still hold
+batches in its old ones, whose cells keep their marks). More live worker processes than
+rows raise :class:`~asynccache.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import numpy as np
 import torch
 
 from ..batchread import Form
+from ..errors import ConfigError
 from ..lifeline import pid_alive
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
@@ -47,7 +60,8 @@ MAIN_ROW = ROWS - 1
 COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers", "sent_buffers")
 _ACK = POOL_SLOTS  # columns [_ACK, _ACK + POOL_SLOTS): the buffer the consumer has mapped
 _COUNT = 2 * POOL_SLOTS
-_COLS = _COUNT + len(COUNTERS)
+_OWNER = _COUNT + len(COUNTERS)  # the pid of the process whose pool holds the row
+_COLS = _OWNER + 1
 BLOCK_BYTES = ROWS * _COLS * 8
 
 # The busy blocks of datasets created in this process, by token (the main process
@@ -79,7 +93,7 @@ def table(block: torch.Tensor) -> np.ndarray:
 
 def counters(block: torch.Tensor) -> dict[str, int]:
     """The batch counters summed over every worker row."""
-    sums = table(block)[:, _COUNT:].sum(axis=0)
+    sums = table(block)[:, _COUNT:_OWNER].sum(axis=0)
     return {name: int(v) for name, v in zip(COUNTERS, sums, strict=True)}
 
 
@@ -161,24 +175,51 @@ class Pooled:
 
 
 class Pool:
-    """One worker process's pooled buffers (see the module docstring)."""
+    """One worker process's pooled buffers (see the module docstring).
+
+    ``row``: the row it prefers (the worker id; the main process: :data:`MAIN_ROW`); it
+    uses that row unless another live process owns it (``self.row``: the row it holds).
+    """
 
     def __init__(self, block: torch.Tensor, token: str, row: int, here: bool = False) -> None:
-        self.block, self.token, self.row = block, token, row % ROWS
-        cells = table(block)[self.row]
-        self.cells, self.acks = cells[:POOL_SLOTS], cells[_ACK : _ACK + POOL_SLOTS]
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.ids: dict[int, int] = {}
+        self.block, self.token = block, token
         # here: the consumer is this process. The buffers are plain memory, and each batch
         # gets a storage of its own over its buffer (the pool holds the buffer, not that
         # storage, so the storage's end is the consumer letting go).
         self.here = here
-        self.memory: dict[int, np.ndarray] = {}
         self._seq = itertools.count(1)
+        self._claim(row % ROWS)
+
+    def _claim(self, preferred: int, lost: int = -1) -> None:
+        """Hold ``preferred`` row, or the first after it that no other live process owns
+        (not ``lost``, a row just lost to another process), with a fresh set of buffers."""
+        owners = table(self.block)[:, _OWNER]
         pid = os.getpid()
+        # (The consumer keeps its own row: each process iterating has a block of its own.)
+        order = [preferred] if self.here else [(preferred + k) % MAIN_ROW for k in range(MAIN_ROW)]
+        for r in order:
+            owner = int(owners[r])
+            if r != lost and (owner in (0, pid) or not pid_alive(owner)):
+                owners[r] = pid
+                break
+        else:
+            raise ConfigError(
+                f"more than {MAIN_ROW} DataLoader worker processes read whole batches of one "
+                "StreamingDataset at the same time (its batch buffers have a row per live "
+                "worker); end some loaders' iterations, or use fewer workers"
+            )
+        self.row = r
+        cells = table(self.block)[r]
+        self.cells, self.acks = cells[:POOL_SLOTS], cells[_ACK : _ACK + POOL_SLOTS]
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.ids: dict[int, int] = {}
+        self.memory: dict[int, np.ndarray] = {}
         for k, mark in enumerate(self.cells.tolist()):
             if mark and (mark >> 32 == pid or not pid_alive(mark >> 32)):
                 self.cells[k] = 0  # left by a dead process (or this pid's previous life)
+
+    def _owned(self) -> bool:
+        return int(table(self.block)[self.row, _OWNER]) == os.getpid()
 
     def _id(self) -> int:
         return (os.getpid() << 32) | (next(self._seq) & 0xFFFFFFFF)
@@ -214,6 +255,15 @@ class Pool:
             return wrap(form, buf, n)
         mark = self._id()
         self.cells[slot] = mark
+        if not self.here and not self._owned():
+            # Another worker claimed this row at the same moment as this one and won.
+            # The mark stays (the other's batch in this slot, if any, stays busy); this
+            # batch goes in a buffer used once, and later ones in a row of this process.
+            self._claim(self.row, lost=self.row)
+            count(self.block, self.row, "unpooled_buffers")
+            out = shared_bytes(buf.numel())
+            out.numpy()[:] = buf.numpy()  # (numpy: no torch thread pool in a forked worker)
+            return wrap(form, out, n)
         if self.here:
             return _received(wrap(form, buf, n), self.token, self.row, slot, mark)
         buffer_id = self.ids[slot]
