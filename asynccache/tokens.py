@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .batchread import copy_rows
 from .errors import ConfigError, DataError
 from .format import Index
 from .reader import Reader
@@ -139,25 +138,43 @@ class TokenUnits:
             else:
                 yield self.read(reader, b)
 
-    def assemble_into(self, reader: Reader, blocks: np.ndarray, rows: np.ndarray) -> None:
-        """Blocks ``blocks`` copied into ``rows`` (``(len(blocks), block_size)`` of the
-        token dtype, C order), one copy per token: the blocks inside a chunk are evenly
-        spaced in it, so each chunk's share is one gather; a block that spans chunks is
-        assembled from its pieces."""
+    def assemble_into(
+        self, reader: Reader, blocks: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None
+    ) -> None:
+        """Blocks ``blocks`` copied into ``rows`` (``(n, block_size)`` of the token dtype,
+        C order), one copy per token: the blocks inside a chunk are rows of one reshape of
+        its tokens (they start ``block_size`` apart), so each chunk's share is one gather;
+        a block that spans chunks is assembled from its pieces. Block ``j`` goes to row
+        ``at[j]`` (default: row ``j``; increasing), so several datasets can fill the rows
+        of one batch."""
         L = self.block_size
-        width = self.dtype.itemsize
-        out = rows.view(np.uint8)  # (len(blocks), L * width)
+        w = self.dtype.itemsize
+        out = rows.view(np.uint8)  # (n, L * w)
+        dest = np.arange(len(blocks), dtype=np.int64) if at is None else at
         starts, offsets = self.layout.locate_many(blocks)
-        lasts = self.layout.last_chunks(blocks)
-        inside = starts == lasts
-        for c in dict.fromkeys(starts[inside].tolist()):
-            sel = np.nonzero(inside & (starts == c))[0]
-            src = reader.chunk_tokens(c).view(np.uint8)
-            off = offsets[sel].astype(np.int64)
+        inside = starts == self.layout.last_chunks(blocks)
+        by_chunk = np.argsort(starts, kind="stable")  # (each chunk's blocks in batch order)
+        cuts = np.flatnonzero(np.diff(starts[by_chunk])) + 1
+        for g in np.split(by_chunk, cuts) if len(blocks) else ():
+            g = g[inside[g]]
+            if not len(g):
+                continue
+            src = reader.chunk_tokens(int(starts[g[0]])).view(np.uint8)
+            off = offsets[g]
             r = int(off[0]) % L
-            copy_rows(src, off * width, L * width, out, sel, (off - r) // L, L * width)
-        for j in np.nonzero(~inside)[0].tolist():
-            rows[j] = self.read(reader, int(blocks[j]))
+            p = (off - r) // L
+            count = int(p[-1] if len(p) == 1 else p.max()) + 1
+            view = src[r * w : (r + count * L) * w].reshape(count, L * w)
+            d = dest[g]
+            k = len(g)
+            if k == 1:
+                out[int(d[0])] = view[int(p[0])]
+            elif int(d[-1]) - int(d[0]) == k - 1:  # consecutive rows: gather in place
+                np.take(view, p, axis=0, out=out[int(d[0]) : int(d[0]) + k], mode="clip")
+            else:
+                out[d] = view[p]
+        for j in np.flatnonzero(~inside).tolist():
+            rows[int(dest[j])] = self.read(reader, int(blocks[j]))
 
     def read(self, reader: Reader, block: int) -> Any:
         """Block ``block``: a view of its chunk's mapping, or one copy when it spans chunks."""

@@ -14,6 +14,7 @@ process's I/O thread.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -21,15 +22,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
+from ..batchread import Form, Leaf, assemble_into
 from ..errors import ConfigError, ResumeStateError
 from ..readplan import View
 from ..sampling import Segment
 from ..sampling.mix import MODES, MixOrder, Share, stream_counts
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
-from . import distributed
+from . import batches, distributed
 from .streaming import (
     _STAT_FIELDS,
     _STAT_ROWS,
@@ -41,6 +43,8 @@ from .streaming import (
 )
 
 __all__ = ["MixedDataset", "Stream"]
+
+_WINDOW = 4096  # samples of the mix located at a time (see MixedDataset._locate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,7 @@ class _Readers:
 
     def close(self) -> None:
         for s in self.streams:
+            s.__dict__.pop("_forms", None)  # (the forms of its chunks hold their mappings)
             s._reader.close()
 
 
@@ -242,6 +247,9 @@ class MixedDataset(StreamingDataset):
         self._skip = 0
         self._stats_pid = -1
         self._stats_base = np.zeros(len(_STAT_FIELDS))
+        self._batch_mode: bool | None = None
+        self._led = 0  # first batches built in the main process (StreamingDataset._lead_batch)
+        self._new_busy()
         self._publish()
 
     # -- the mix -----------------------------------------------------------------------
@@ -318,8 +326,60 @@ class MixedDataset(StreamingDataset):
 
     # -- reading -----------------------------------------------------------------------
     def batchable(self) -> str | None:
-        """A mix collates its samples in the loader (its streams' leaves may differ)."""
-        return "a MixedDataset collates per sample"
+        """Why the mix's workers can't yield whole batches (None: they can).
+
+        A batch's rows come from the streams the mix names; each stream copies its rows
+        straight from its mapped chunks into the rows of one buffer. Per batch, rows
+        whose leaves don't share one form (item streams of other forms, a chunk read by
+        range) are collated from their items instead (counted in :meth:`batch_stats`).
+        """
+        for i, st in enumerate(self.streams):
+            if st.transform is not None:
+                return f"stream {i} of the mix has a per-item transform"
+        if self.mode == "per_stream":  # every batch is one stream's: forms may differ
+            return None
+        token = [st._blocks for st in self.streams]
+        forms = {None if t is None else (t.dtype.str, t.block_size) for t in token}
+        if len(forms) > 1:
+            each = ", ".join(
+                f"stream {i}: " + ("items" if t is None else f"{t.block_size} x {t.dtype}")
+                for i, t in enumerate(token)
+            )
+            return f"the mix's streams differ in sample form ({each})"
+        return None
+
+    def _chunks_of(self, keys: np.ndarray) -> np.ndarray:
+        return np.empty(0, dtype=np.int64)  # (each stream's source follows its own plan)
+
+    def _locate(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the samples of ``slots`` in order: the stream of each and the unit key it
+        reads in that stream. Worked out for a window of the epoch at a time (batches
+        of a worker's run take it in slices)."""
+        cuts = np.flatnonzero(np.diff(slots) != 1) + 1  # (a batch may span two segments)
+        found = [self._located(int(r[0]), int(r[-1]) + 1) for r in np.split(slots, cuts)]
+        if len(found) == 1:
+            return found[0]
+        return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+
+    def _located(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_locate` of the slots ``[lo, hi)``."""
+        epoch, u = self._progress.epoch, self.unit
+        win = self.__dict__.get("_window")
+        if win is None or win[0] != epoch or not win[1] <= lo <= hi <= win[2]:
+            end = min(self._mix(epoch).slots, max(hi, lo + -(-_WINDOW // u)))
+            streams, positions = self._mix(epoch).locate(lo * u, end * u)
+            keys = np.empty(len(positions), dtype=np.int64)
+            for s in range(len(self.streams)):
+                rows = np.flatnonzero(streams == s)
+                if not len(rows):
+                    continue
+                mine = positions[rows]  # consecutive (a range of the mix is a range of each)
+                runs = np.split(mine, np.flatnonzero(np.diff(mine) != 1) + 1)
+                order = self._stream_order(s, epoch)
+                keys[rows] = np.concatenate([order.keys(int(r[0]), int(r[-1]) + 1) for r in runs])
+            win = self.__dict__["_window"] = (epoch, lo, end, streams, keys)
+        a, b = (lo - win[1]) * u, (hi - win[1]) * u
+        return win[3][a:b], win[4][a:b]
 
     def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
         return np.empty(0, dtype=np.int64), self._read_slots(keys)
@@ -327,21 +387,91 @@ class MixedDataset(StreamingDataset):
     def _read_slots(self, slots: np.ndarray) -> Iterator[Any]:
         if not len(slots):
             return
-        epoch = self._progress.epoch
-        mix = self._mix(epoch)
-        start, end = int(slots[0]) * self.unit, (int(slots[-1]) + 1) * self.unit
-        streams, positions = mix.locate(start, end)
-        per: list[Iterator[Any]] = []
-        for s, st in enumerate(self.streams):
-            mine = positions[streams == s]
-            if not len(mine):
-                per.append(iter(()))
-                continue
-            keys = self._stream_order(s, epoch).keys(int(mine[0]), int(mine[-1]) + 1)
-            per.append(_stream_items(st, keys))
+        streams, keys = self._locate(slots)
+        per = [_stream_items(st, keys[streams == s]) for s, st in enumerate(self.streams)]
         for s in streams.tolist():
             item = next(per[s])
             yield (s, item) if self.tag else item
+
+    # -- whole batches (docs/streaming.md, "Mixing") -----------------------------------
+    def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
+        """The batch of slots ``keys``: each stream copies its rows from its mapped chunks
+        into the rows of one buffer; collated from the items when their leaves differ."""
+        # The batch loop counts the slots it yields; a mix counts samples (as its
+        # per-item path does, and as state_dict expects).
+        self._yielded += (self.unit - 1) * len(keys)
+        streams, unit_keys = self._locate(keys)
+        n = len(streams)
+        got = self._plan_batch(streams, unit_keys)
+        if got is None:
+            return self._mix_collated(streams, unit_keys, row)
+        inner, parts, blocks = got
+        form, shift = inner, 0
+        if self.tag:  # (stream, sample) pairs: a list of the int64 tags and the samples
+            form = Form(
+                ("list", (("leaf", 0), _shifted(inner.tree, 1))),
+                (Leaf("i", np.dtype(np.int64).str, ()), *inner.leaves),
+            )
+            shift = form.regions(n)[0][1]
+        buf, slot = self._buffer(form, n, pool)
+        out = buf.numpy()
+        if self.tag:
+            out[: 8 * n].view(np.int64)[:] = streams
+        body = out[shift:]
+        if parts:
+            assemble_into(body, inner, parts, n)
+        for tb, reader, k, rows in blocks:
+            dest = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+            tb.assemble_into(reader, k, dest.reshape(n, tb.block_size), at=rows)
+        return self._send(form, n, buf, slot, pool, row)
+
+    def _plan_batch(self, streams: np.ndarray, unit_keys: np.ndarray) -> Any:
+        """The form the batch's samples share, the item streams' parts for
+        :func:`assemble_into` and the token streams' blocks; None: collate the items."""
+        form: Form | None = None
+        parts: list[tuple[Any, np.ndarray, np.ndarray]] = []
+        blocks: list[tuple[Any, Any, np.ndarray, np.ndarray]] = []
+        for s, st in enumerate(self.streams):
+            rows = np.flatnonzero(streams == s)
+            if not len(rows):
+                continue
+            k = unit_keys[rows]
+            tb = st._blocks
+            if tb is not None:
+                f = Form(("leaf", 0), (Leaf("a", tb.dtype.str, (tb.block_size,)),))
+                if form is not None and f != form:
+                    return None
+                form = f
+                blocks.append((tb, st._reader, k, rows))
+                continue
+            chunks, positions = st.index.locate_many(k)
+            st._reader.expect(chunks, positions)  # the first batch: items by range
+            early = getattr(st._reader, "_early", None)
+            if early and any(c in early for c in dict.fromkeys(chunks.tolist())):
+                return None  # items read by range
+            for c in dict.fromkeys(chunks.tolist()):
+                sel = np.flatnonzero(chunks == c)
+                st.__dict__.setdefault("_forms", collections.OrderedDict())
+                cf = st._chunk_forms(c)
+                pos = positions[sel]
+                got = cf.form_of(pos)
+                if got is None or (form is not None and got != form):
+                    return None
+                form = got
+                parts.append((cf, pos, rows[sel]))
+        if form is None or not batches.supported(form):
+            return None
+        return form, parts, blocks
+
+    def _mix_collated(self, streams: np.ndarray, unit_keys: np.ndarray, row: int) -> Any:
+        """The per-item path: what a DataLoader worker collating these samples returns."""
+        batches.count(self._busy, row, "collated")
+        per = [_stream_items(st, unit_keys[streams == s]) for s, st in enumerate(self.streams)]
+        items = []
+        for s in streams.tolist():
+            item = next(per[s])
+            items.append((s, item) if self.tag else item)
+        return default_collate(items)
 
     def _hint(self, *args: Any) -> None:
         """Each stream's source follows the node's plan for it."""
@@ -481,6 +611,7 @@ class MixedDataset(StreamingDataset):
         state = super().__getstate__()
         state.pop("_mix_cache", None)
         state.pop("_stream_orders", None)
+        state.pop("_window", None)
         return state
 
     def __repr__(self) -> str:
@@ -488,6 +619,15 @@ class MixedDataset(StreamingDataset):
             f"MixedDataset({len(self.streams)} streams, mode={self.mode!r}, "
             f"counts={self.stream_counts}, epoch={self.epoch})"
         )
+
+
+def _shifted(tree: tuple[Any, ...], by: int) -> tuple[Any, ...]:
+    """A form tree with its leaf numbers moved up by ``by``."""
+    if tree[0] == "leaf":
+        return ("leaf", tree[1] + by)
+    if tree[0] == "dict":
+        return ("dict", tree[1], tuple(_shifted(c, by) for c in tree[2]))
+    return ("list", tuple(_shifted(c, by) for c in tree[1]))
 
 
 def _stream_items(st: StreamingDataset, keys: np.ndarray) -> Iterator[Any]:

@@ -14,6 +14,7 @@ from asynccache.sampling.order import ReadOrder
 from asynccache.testing.resume import assert_resumes_exactly
 from asynccache.torch.mixed import MixedDataset, Stream
 from tests.loader.mix_data import SIZES, mix, pairs, write_streams
+from tests.loader.test_batch import per_item
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,19 +80,27 @@ def test_resume_with_another_worker_count(urls):
 @example(mode="per_stream", drop_last=True, stop=80, batch=7)
 @example(mode="random", drop_last=True, stop=37, batch=16)  # the short batch dropped
 def test_stop_anywhere_then_resume(urls, mode, drop_last, stop, batch):
-    def loader():
+    """The mix's whole batches, stopped and resumed anywhere, are the per-item path's
+    batches, and the states taken are the per-item path's."""
+
+    def loader(**kw):
         return CacheDataLoader(
             mix(urls, mode, batch_size=batch, drop_last=drop_last),
             batch_size=batch,
             drop_last=drop_last,
+            **kw,
         )
 
-    whole = list(loader())
+    def stopped(**kw):
+        dl = loader(**kw)
+        it = iter(dl)
+        return [next(it) for _ in range(stop)], dl.state_dict(), dl.batch_fallback
+
+    whole = list(loader(collate_fn=per_item))  # the per-item path, uninterrupted
     stop = min(stop, len(whole))  # 0: before the first batch; len: after the last
-    dl = loader()
-    it = iter(dl)
-    first = [next(it) for _ in range(stop)]
-    state = dl.state_dict()
+    first, state, fallback = stopped()
+    assert fallback is None, "the mix's batches come whole from its workers"
+    assert state == stopped(collate_fn=per_item)[1]
     again = loader()
     again.load_state_dict(state)
     assert again.epoch == (1 if stop == len(whole) else 0)
