@@ -25,7 +25,8 @@ uploaded with boto3 (``index.json`` last). Then, ``--reps`` times, in the same r
   a torch ``DataLoader`` over mosaic's ``StreamingDataset`` (as its docs do).
 
 Per epoch: items/s, time to the first batch, CPU seconds of the client (this process and its
-reaped DataLoader workers, ``getrusage``) and of the object store (``/proc/<pid>/stat``), and
+reaped DataLoader workers, ``getrusage``, less the PSS sampling thread's own CPU, which reading
+``smaps_rollup`` makes 10-40% of it on a loaded box) and of the object store (``/proc/<pid>/stat``), and
 peak PSS of this process tree, the store excluded (``limits.PssSampler``: shared pages
 counted once; its anonymous and shared-memory parts beside it). Ratios are computed within a
 repetition, then summarised as median (min-max).
@@ -191,7 +192,7 @@ def timed(store_pid: int, open_loader: Callable[[], Iterable[Any]]) -> tuple[Epo
             out.items += batch_len(batch)
         del it, batch
         out.seconds = time.perf_counter() - started
-    clock.stop()
+    clock.stop(mem)  # the sampler's own CPU is the instrument's, not the client's
     out.cpu, out.cpu_store = clock.client, clock.other
     out.pss, out.anon, out.shmem = mem.peak["Pss"], mem.peak["Pss_Anon"], mem.peak["Pss_Shmem"]
     return out, loader

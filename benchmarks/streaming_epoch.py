@@ -22,7 +22,8 @@ In the same run, and in the same repetition, the limits of ``BENCHMARKING.md``:
   CPU(iii)) / cores): on this box the object store competes for the same cores.
 
 Reported: items/s median (min-max) of each, time to first batch, CPU seconds (client =
-this process and its reaped children via ``getrusage``; store = ``/proc/<pid>/stat``),
+this process and its reaped children via ``getrusage``, less the memory sampling thread's
+own CPU; store = ``/proc/<pid>/stat``),
 peak PSS of this process tree (sampled; the object store excluded; it includes the pages
 of mmap'd cache files that were read, so the anonymous part is shown beside it), peak
 bytes of the cache dir (sampled), ``ru_maxrss`` of the whole run, and the ratios cold / (i), cold / (iv), warm / min((ii), (iii)),
@@ -180,7 +181,7 @@ def timed_epoch(
             out.items += len(batch)
         del it
         out.seconds = time.perf_counter() - started
-    clock.stop()
+    clock.stop(peaks)  # the sampler's own CPU is the instrument's, not the client's
     out.cpu_client, out.cpu_store = clock.client, clock.other
     out.peak_mem, out.peak_anon, out.peak_dir = peaks.peak_mem, peaks.peak_anon, peaks.peak_dir
     return out
