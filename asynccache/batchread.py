@@ -27,9 +27,10 @@ header is parsed once.
 Memory: given a chunk mapping that carries its open file (``fd``, the reader's
 ``ChunkMap``), rows of at least ``_LARGE_ROW`` bytes are copied from the file with
 ``preadv`` straight into the batch buffer (one copy per byte, from the page cache), and the
-mapping's pages touched to learn the items' headers are dropped again; the page cache then
-holds the chunk, not the reading process (its PSS). Smaller rows are copied through the
-mapping, vectorised (a system call per row would cost more than the row).
+headers of items that share one are compared by ``pread`` (the few pages mapped to parse
+a header are dropped again); the page cache then holds the chunk, not the reading process
+(its PSS). Smaller rows are copied through the mapping, vectorised (a system call per
+row would cost more than the row).
 
 Layer: above :mod:`asynccache.format`; pure (numpy and msgpack), torch-free.
 """
@@ -249,7 +250,7 @@ class ChunkForms:
                 rest = np.flatnonzero(self.form_id == -2) if sweep else todo
                 self._copy_same_headers(p, rest)
         if self._drop:
-            self.buf.madvise(mmap.MADV_DONTNEED)  # the headers are learned: unmap their pages
+            self.buf.madvise(mmap.MADV_DONTNEED)  # the headers are parsed: unmap their pages
 
     def _parse_one(self, p: int) -> None:
         a, b = int(self.offsets[p]), int(self.offsets[p + 1])
@@ -283,12 +284,20 @@ class ChunkForms:
         (hlen,) = _U32.unpack_from(self.buf, a)
         width = 4 + hlen  # the length word is compared too: a longer header differs
         base = int(self.offsets[0])
-        rows = np.lib.stride_tricks.as_strided(
-            self.u8[base:],
-            shape=(len(self.form_id), width),
-            strides=(self._size, 1),
-            writeable=False,
-        )[rest]
+        if self._drop:  # large items: read just the headers (a mapped page each otherwise)
+            assert self.fd is not None
+            starts = (base + rest * self._size).tolist()
+            got = b"".join([os.pread(self.fd, width, o) for o in starts])
+            if len(got) != width * len(starts):
+                raise TruncatedChunkError(f"{self.path}: the file ends inside an item header")
+            rows = np.frombuffer(got, np.uint8).reshape(len(starts), width)
+        else:
+            rows = np.lib.stride_tricks.as_strided(
+                self.u8[base:],
+                shape=(len(self.form_id), width),
+                strides=(self._size, 1),
+                writeable=False,
+            )[rest]
         same = rest[np.all(rows == self.u8[a : a + width], axis=1)]
         if not len(same):
             return

@@ -1,0 +1,41 @@
+"""Give the C heap's free pages back to the system after a chunk lands.
+
+A chunk arrives as pieces of up to 256 KiB (``bytes`` objects made by the event loop's
+socket reads), each freed once written to the chunk file. glibc raises its threshold for
+serving such sizes with their own mappings after the first is freed, so later pieces come
+from the I/O thread's heap arena, and the arena keeps the pages of freed pieces resident
+(seen: about 9 MiB of a DataLoader worker's memory, holding stale chunk bytes).
+``malloc_trim(0)`` hands every whole free page of every arena back (``MADV_DONTNEED``):
+called once per chunk downloaded, it costs well under a millisecond.
+
+Linux with glibc only; elsewhere :func:`trim` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+
+__all__ = ["trim"]
+
+
+def _load() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load()
+
+
+def trim() -> None:
+    """Return the free pages of the C heap to the system (best effort)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
