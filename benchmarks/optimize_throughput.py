@@ -8,8 +8,8 @@ count ``w`` in ``--workers``:
   the same kind as ``optimize``'s (items made and dropped, never pickled: ``optimize``
   does not pickle them either), pool start included as there;
 * raw PUT limit: the same bytes as ``--chunk-mb`` MiB objects PUT by a bare aiohttp loop
-  (SigV4, unsigned payload) with ``w`` PUTs in flight (the payload prebuilt in memory: no
-  generation, no encoding, no staging);
+  (SigV4, unsigned payload, the body sent in 1 MiB views) with ``w`` PUTs in flight (the
+  payload prebuilt in memory: no generation, no encoding, no staging);
 * raw disk limit: the same bytes as chunk-sized files, all written, then all fsynced (a
   local ``optimize`` fsyncs a shard's chunks together before its shard index);
 * ``optimize`` to a local directory (``num_workers=w``);
@@ -54,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,16 @@ def raw_write(directory: Path, sizes: list[int], payload: bytes) -> float:
     return elapsed
 
 
+async def _pieces(payload: bytes, size: int, piece: int = 1 << 20) -> AsyncIterator[memoryview]:
+    """``payload[:size]`` in 1 MiB views: one large write makes asyncio's transport copy
+    what the socket does not take at once into its own buffer (0.9 CPU-s of page faults
+    per 256 MiB in 64 MiB bodies against 0.1 in 16 MiB ones); pieces keep the bare loop
+    cheap at any object size, as the library's upload is (1 MiB pieces of the file)."""
+    view = memoryview(payload)
+    for a in range(0, size, piece):
+        yield view[a : min(a + piece, size)]
+
+
 async def _raw_put(
     store: ObjectStore, bucket: str, sizes: list[int], conc: int, payload: bytes
 ) -> float:
@@ -176,13 +187,15 @@ async def _raw_put(
                 method="PUT", url=url, headers={"X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"}
             )
             S3SigV4Auth(creds, "s3", store.region).add_auth(req)
-            async with gate:
-                body = memoryview(payload)[:size]
-                async with session.put(
-                    URL(url, encoded=True), data=body, headers=dict(req.headers.items())
-                ) as r:
-                    r.raise_for_status()
-                    await r.read()
+            headers = {**dict(req.headers.items()), "Content-Length": str(size)}
+            async with (
+                gate,
+                session.put(
+                    URL(url, encoded=True), data=_pieces(payload, size), headers=headers
+                ) as r,
+            ):
+                r.raise_for_status()
+                await r.read()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(put(k, s) for k, s in enumerate(sizes)))
