@@ -70,6 +70,10 @@ class Settings:
     # Item bytes a reader fetches by HTTP Range per epoch, before their chunks land, so
     # the first batch does not wait for whole chunks (0: never; docs/cache.md).
     first_read_bytes: int = 8 << 20
+    # CacheDataLoader builds an epoch's first batch in the main process while its
+    # DataLoader workers start; they begin at the batch after it (0: the workers make
+    # every batch; docs/streaming.md).
+    first_batch_here: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cache_bytes", "part_bytes"):

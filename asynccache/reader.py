@@ -227,6 +227,23 @@ class Reader:
             m.mm, start, end, where=f"{m.path} item {pos}", allow_pickle=self._allow_pickle
         )
 
+    def fetches_no_chunk(self, chunks: np.ndarray, positions: np.ndarray) -> bool:
+        """Whether :meth:`expect` then reading items ``(chunks[i], positions[i])`` needs no
+        chunk downloaded: each item's chunk is in the cache now, or the item is one
+        :meth:`expect` would read by range."""
+        want: dict[int, list[int]] = {}
+        if self._ranged is not None and self._early_left > 0 and not self._mapped_any:
+            want = self._early_plan(chunks, positions)
+        landed: dict[int, bool] = {}
+        for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
+            if pos in want.get(ci, ()):
+                continue
+            if ci not in landed:
+                landed[ci] = self._ranged is None or self._ranged.landed(ci)
+            if not landed[ci]:
+                return False
+        return True
+
     def expect(self, chunks: np.ndarray, positions: np.ndarray) -> None:
         """Items ``(chunks[i], positions[i])`` are read next, in this order.
 

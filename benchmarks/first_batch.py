@@ -7,8 +7,12 @@ each, the seconds from ``iter(loader)`` to the first batch of
 before the clock starts; its opening time is reported beside it):
 
 * cold: a fresh cache dir, with range reads of the first items (the defaults) and without
-  (``ASYNCCACHE_FIRST_READ_BYTES=0``: the first batch waits for whole chunks);
+  (``ASYNCCACHE_FIRST_READ_BYTES=0``: the first batch waits for whole chunks;
+  ``--no-range-rows`` leaves these out);
 * warm: a new loader over a cache that holds every chunk;
+* cold and warm again with the first batch made by a DataLoader worker like every other
+  (``ASYNCCACHE_FIRST_BATCH_HERE=0``; by default the main process builds it while the
+  workers start, docs/streaming.md);
 
 on loopback, and through the project's ``FaultProxy`` (in a process of its own) set to a
 cloud-like link, ``--link L:C`` (L ms to the first byte, C MB/s per connection).
@@ -24,7 +28,7 @@ Reported: median (min-max) of the seconds, and the ratios first batch / (iii) (l
 and first batch / one part (the link).
 
     python benchmarks/first_batch.py [--total-mb 512] [--chunk-mb 64] [--item-kb 100]
-        [--reps 3] [--link 20:4] [--workers 2] [--batch 64]
+        [--reps 3] [--link 20:4] [--workers 2] [--batch 64] [--no-range-rows]
 """
 
 from __future__ import annotations
@@ -109,6 +113,10 @@ def _one_part(served: Served, endpoint: str, part_bytes: int) -> float:
 def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
     on = Settings.from_env(progress=False)
     off = Settings.from_env(progress=False, first_read_bytes=0)
+    workers = Settings.from_env(progress=False, first_batch_here=False)
+    colds = [("cold", on), ("cold, first batch in a worker", workers)]
+    if not args.no_range_rows:
+        colds.append(("cold, no range reads", off))
     work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     rows: dict[str, Row] = {}
 
@@ -138,7 +146,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                     for shuffle in (False, True):
                         tag = "shuffled" if shuffle else "unshuffled"
                         ceiling = _ceiling(items, shuffle, args)
-                        for what, settings in (("cold", on), ("cold, no range reads", off)):
+                        for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}"
                             r = row(f"loopback {what} {tag}")
                             first, opened = _ours(served, loop, cache, settings, shuffle, args)
@@ -148,14 +156,18 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                             shutil.rmtree(cache, ignore_errors=True)
                         cache = work / f"cache-{rep}-{tag}-warm"
                         prefetch(served.url, cache, loop, settings=on)
-                        r = row(f"loopback warm {tag}")
-                        first, opened = _ours(served, loop, cache, on, shuffle, args)
-                        r.first.append(first)
-                        r.opened.append(opened)
-                        r.limit.append(ceiling)
+                        for what, settings in (
+                            ("warm", on),
+                            ("warm, first batch in a worker", workers),
+                        ):
+                            r = row(f"loopback {what} {tag}")
+                            first, opened = _ours(served, loop, cache, settings, shuffle, args)
+                            r.first.append(first)
+                            r.opened.append(opened)
+                            r.limit.append(ceiling)
                         shutil.rmtree(cache, ignore_errors=True)
                         part = _one_part(served, proxy.url, on.part_bytes)
-                        for what, settings in (("cold", on), ("cold, no range reads", off)):
+                        for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}-link"
                             r = row(f"{link} {what} {tag}")
                             first, opened = _ours(served, via, cache, settings, shuffle, args)
@@ -199,6 +211,7 @@ def main() -> None:
     ap.add_argument("--link", default="20:4")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--no-range-rows", action="store_true", help="leave out FIRST_READ_BYTES=0")
     args = ap.parse_args()
     load0 = limits.loadavg()
     rows, link, what = measure(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import os
@@ -52,6 +53,36 @@ def _lazy(batches: Iterable[Any]) -> Iterator[Any]:
     """Iterate ``batches`` only when the first batch is asked for (DataLoader workers
     start then, not at ``iter()``)."""
     yield from batches
+
+
+def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
+    """At the first batch asked for: build that batch in this process (on a thread of its
+    own, its range reads on the I/O thread) while the workers start, then the workers'
+    batches, which begin after it. The order of batches and the states taken between them
+    are those of an epoch whose workers made every batch."""
+    keys = ds._lead()
+    if keys is None:
+        yield from loader
+        return
+    first: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def build() -> None:
+        try:
+            first.set_result(ds._lead_batch(keys))
+        except BaseException as exc:  # handed to the consumer below
+            first.set_exception(exc)
+
+    builder = threading.Thread(target=build, name="asynccache-first-batch", daemon=True)
+    builder.start()
+    try:
+        batches = iter(loader)  # the workers start (fork/spawn) meanwhile
+        # Bounded: the reader bounds each range read and chunk wait (retries, stalls).
+        yield first.result()
+        yield from batches
+    finally:
+        # Done already unless starting the workers failed; bounded as the batch is.
+        builder.join()
+        ds._lead_done()
 
 
 class _ByKey(Dataset[Any]):
@@ -513,7 +544,19 @@ class CacheDataLoader(DataLoader[Any]):
                 )
             if self.persistent_workers:
                 self._stream_loader = loader
+            if self._leads(ds):
+                return _led(ds, loader)
         return _lazy(loader)
+
+    def _leads(self, ds: StreamingDataset) -> bool:
+        """This epoch's first batch is built here while the new workers start (whole
+        batches from the workers of a StreamingDataset, not a mix; docs/streaming.md)."""
+        return (
+            self.num_workers > 0
+            and self.batch_fallback is None
+            and ds.settings.first_batch_here
+            and type(ds) is StreamingDataset
+        )
 
     def _batch_fallback(self, ds: StreamingDataset) -> str | None:
         """Why the streamed epochs collate items in the loader rather than take whole

@@ -215,6 +215,10 @@ class StreamingDataset(IterableDataset[Any]):
         # None: each worker yields items (the DataLoader collates them); else each worker
         # yields whole batches of batch_size (the value: drop a short last batch).
         self._batch_mode: bool | None = None
+        # Samples of this epoch the main process handed out itself before its DataLoader
+        # workers started (CacheDataLoader's first batch): the workers begin after them.
+        self._head = 0
+        self._led = 0  # first batches built in this process (see _lead_batch)
         self._new_busy()
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
@@ -291,6 +295,7 @@ class StreamingDataset(IterableDataset[Any]):
         """Make the next ``iter()`` run epoch ``epoch`` from its beginning (drops a partially
         resumed one). Without it, each ``iter()`` runs the epoch after the previous one."""
         self._progress = _Progress(epoch=epoch)
+        self._head = 0
         self._world()  # capture rank and world size for the DataLoader workers
         self._set_counters(epoch)
         self._publish()
@@ -342,6 +347,7 @@ class StreamingDataset(IterableDataset[Any]):
             "num_workers": self.num_workers,
             "rank_world": list(self._rank_world),
             "batched": getattr(self, "_batch_mode", None),
+            "head": self.__dict__.get("_head", 0),
         }
         raw = json.dumps(plan).encode()
         if len(raw) > _PLAN_BYTES:
@@ -370,6 +376,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.batch_size, self.num_workers = plan["batch_size"], plan["num_workers"]
         self._rank_world = (int(plan["rank_world"][0]), int(plan["rank_world"][1]))
         self._batch_mode = plan.get("batched")
+        self._head = int(plan.get("head", 0))
 
     def _stat_table(self) -> np.ndarray:
         self._own()
@@ -459,10 +466,15 @@ class StreamingDataset(IterableDataset[Any]):
             self._skip = 0
             if self._progress.epoch != epoch:
                 self._progress = _Progress(epoch=epoch)
+                self._head = 0  # handed out of another epoch
             if not in_worker:
                 self._publish()
         world = self._world()
         pr, p = self._plan(world)
+        if in_worker and pending is None and self._head:
+            # The main process handed out the next batch itself: start after it, as a
+            # loader resumed from the state after that batch does.
+            pr = dataclasses.replace(pr, received=pr.received + self._head)
         # Continuing a plan: batch p of the rank comes from logical worker p mod W, and a
         # DataLoader starts its round robin at worker 0, so worker j plays logical worker
         # (batches received + j) mod W, skipping what the consumer already has of it.
@@ -525,16 +537,7 @@ class StreamingDataset(IterableDataset[Any]):
         info = get_worker_info()
         # A worker's row of busy marks (the main process, iterating itself: the last row).
         row = batches.MAIN_ROW if info is None else info.id % batches.MAIN_ROW
-        pool = self.__dict__.get("_pool")
-        if (
-            pool is None
-            or pool.block is not self._busy
-            or self.__dict__.get("_pool_pid") != os.getpid()
-        ):
-            pool = self.__dict__["_pool"] = batches.Pool(
-                self._busy, self._busy_token, row, here=info is None
-            )
-            self.__dict__["_pool_pid"] = os.getpid()
+        pool = self._batch_pool(row, here=info is None)
         self.__dict__["_forms"] = collections.OrderedDict()
         pending: list[np.ndarray] = []
         held = 0
@@ -567,6 +570,95 @@ class StreamingDataset(IterableDataset[Any]):
             self.__dict__.pop("_forms", None)
             self._report_stats()
             self._reader.close()
+
+    def _batch_pool(self, row: int, here: bool) -> batches.Pool:
+        """This process's pool of batch buffers (busy-mark row ``row``; ``here``: the
+        consumer is this process)."""
+        pool = self.__dict__.get("_pool")
+        if (
+            pool is None
+            or pool.block is not self._busy
+            or self.__dict__.get("_pool_pid") != os.getpid()
+        ):
+            pool = self.__dict__["_pool"] = batches.Pool(self._busy, self._busy_token, row, here)
+            self.__dict__["_pool_pid"] = os.getpid()
+        return pool
+
+    # -- the first batch, built in the main process (docs/streaming.md) ---------------
+    def _lead(self) -> np.ndarray | None:
+        """In the main process, before the DataLoader workers start: the units of the
+        batch this rank receives next, which the workers will then leave out (they start
+        where a loader resumed after that batch starts). None, and the workers start as
+        usual, unless whole batches come from the workers and more than one batch of this
+        rank's epoch is left."""
+        self._head = 0
+        world = self._world()
+        pr, p = self._plan(world)
+        bs = pr.batch_size
+        if self._batch_mode is None or p.rank_samples - pr.received <= bs:
+            self._publish()
+            return None
+        # Batch k of the rank comes from logical worker k mod W (see __iter__).
+        logical = (pr.received // bs) % pr.num_workers
+        skip = received_per_worker(p.rank_samples, pr.num_workers, bs, pr.received)[logical]
+        order = self._order()
+        keys: list[np.ndarray] = []
+        need = bs
+        for seg in _drop(p.workers[logical], skip):
+            take = min(need, len(seg))
+            keys.append(order.keys(seg.start, seg.start + take))
+            need -= take
+            if not need:
+                break
+        run = np.concatenate(keys) if not need else None
+        # Only a batch this process can build without downloading whole chunks: read by
+        # range, or from chunks in the cache (the workers' plans download, evict and
+        # check the budget; a short batch is the epoch's last, made as usual).
+        if run is None or not self._lead_fetches_nothing(run):
+            self._publish()
+            return None
+        self._head = bs
+        self._publish()
+        return run
+
+    def _lead_fetches_nothing(self, keys: np.ndarray) -> bool:
+        """Units ``keys`` can be read here without downloading a whole chunk."""
+        if self._blocks is not None:  # token chunks are not read by range: all cached?
+            first, last = self._blocks.chunks_of(keys), self._blocks.last_chunks(keys)
+            pairs = zip(first.tolist(), last.tolist(), strict=True)
+            chunks = {c for a, b in pairs for c in range(a, b + 1)}
+            return all(self.source.landed(c) for c in chunks)
+        return self._reader.fetches_no_chunk(*self.index.locate_many(keys))
+
+    def _lead_batch(self, keys: np.ndarray) -> Any:
+        """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
+        worker would send (its items read by range on a cold cache, assembled from the
+        mapped chunks on a warm one). Range-read items are compared with their chunks at
+        :meth:`_lead_done`."""
+        pool = self._batch_pool(batches.MAIN_ROW, here=True)
+        self.__dict__["_forms"] = collections.OrderedDict()
+        self._led += 1
+        # One intra-op thread, as in a DataLoader worker: collating 64 items on torch's
+        # OpenMP pool took 3-20x longer than on one thread on a busy 2-core machine.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._batch(keys, pool, batches.MAIN_ROW)
+        finally:
+            torch.set_num_threads(threads)
+            # The batch is a copy: no chunk stays mapped or pinned here for the epoch.
+            self.__dict__.pop("_forms", None)
+            for ci in dict.fromkeys(self._chunks_of(keys).tolist()):
+                self._reader.release(ci)
+            self._report_stats()
+
+    def _lead_done(self) -> None:
+        """The epoch of a :meth:`_lead_batch` is over: compare the items it read by range
+        with their chunks (those in the cache now) and drop its mappings."""
+        try:
+            self._reader.close()
+        finally:
+            self._report_stats()
 
     def _chunks_of(self, keys: np.ndarray) -> np.ndarray:
         if self._blocks is not None:
@@ -831,6 +923,7 @@ class StreamingDataset(IterableDataset[Any]):
         )
         # An epoch whose consumer got everything continues with the next epoch.
         self._progress = pr if rest else _Progress(epoch=pr.epoch + 1)
+        self._head = 0
         self._world()
         self._set_counters(self._progress.epoch)
         self._publish()

@@ -1,0 +1,201 @@
+"""The first batch of an epoch built in the main process while the workers start.
+
+CacheDataLoader (whole batches from the workers, ``num_workers > 0``) builds an epoch's
+first batch itself and its workers start after that batch, as a loader resumed from the
+state after one batch does. These tests hold it to the plain run (every batch made by a
+worker, ``first_batch_here=False``): the same batches bit for bit, the same states at
+every stop, resumed anywhere; range-read items compared with their chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset
+from asynccache.config import Settings
+from asynccache.format import ChunkView
+from asynccache.testing.faults import Fault, FaultProxy
+from asynccache.writer import ChunkWriter, merge_dir
+from tests.loader.test_batch import Fixed, same, write
+from tests.remote_data import upload_dataset
+
+pytestmark = pytest.mark.timeout(180)
+
+EPOCHS = 2
+N, PER_CHUNK, ITEM = 64, 16, 80 << 10  # chunks of 1.25 MiB: range reads start at 1 MiB
+# Batches of 4: a worker's first batch (by range) leaves items of the main process's
+# chunks to read from the chunks, which so land in the cache and are compared.
+BS = 4
+
+
+def _item(i: int) -> dict[str, Any]:
+    return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(tmp_path_factory.mktemp("fixed"), Fixed(23))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("lead") / "src"
+    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
+    for i in range(N):
+        w.add(i, _item(i))
+    w.finish()
+    merge_dir(str(src), [0])
+    return src
+
+
+@pytest.fixture(scope="module")
+def remote(written: Path, objstore: Any) -> Any:
+    bucket = f"lead-{uuid.uuid4().hex[:12]}"
+    objstore.create_bucket(bucket)
+    yield upload_dataset(written, f"s3://{bucket}/ds", objstore.storage_options)
+    with contextlib.suppress(Exception):
+        objstore.delete_bucket(bucket)
+
+
+def _chunk(src: Path, k: int) -> tuple[str, int, int]:
+    """Name, size and first item offset of chunk ``k``."""
+    name = sorted(f for f in os.listdir(src) if f.endswith(".bin"))[k]
+    data = (src / name).read_bytes()
+    return name, len(data), ChunkView(data, name).span(0)[0]
+
+
+def _ds(url: Any, here: bool, shuffle: bool = False, **kw: Any) -> StreamingDataset:
+    s = Settings.from_env(progress=False, first_batch_here=here)
+    return StreamingDataset(url, shuffle=shuffle, seed=5, settings=s, **kw)
+
+
+# -- a cold cache: the first batch by range, in the main process ------------------------
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_cold_first_batch_by_range_is_the_plain_runs(remote, written, objstore, tmp_path, shuffle):
+    _, size, _ = _chunk(written, 0)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        # Whole chunks wait, so the first batch surely comes by range.
+        whole = f"bytes=0-{size - 1}"
+        proxy.add_fault(Fault("slow", path=".bin", range=whole, stall_s=0.3, times=100))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        runs = {}
+        for here in (True, False):
+            ds = _ds(
+                remote, here, shuffle, cache_dir=tmp_path / f"c{here}", storage_options=options
+            )
+            dl = CacheDataLoader(ds, batch_size=BS, num_workers=2)
+            runs[here] = ([{k: v.clone() for k, v in b.items()} for b in dl], ds)
+        assert proxy.fired("slow") >= 1
+    (got, ds), (ref, plain) = runs[True], runs[False]
+    assert ds._led == 1 and plain._led == 0
+    # The main process read the first batch's items by range, and compared them with
+    # their chunks once the epoch was over.
+    assert ds.source.stats.range_gets > 0 and ds._reader.unchecked_ranges == 0
+    assert len(got) == len(ref) == N // BS
+    for a, b in zip(got, ref, strict=True):
+        same(a, b)
+    assert sorted(i for b in got for i in b["i"].tolist()) == list(range(N))
+    for b in got[:1]:
+        for k, row in zip(b["i"].tolist(), b["x"], strict=True):
+            assert np.array_equal(row.numpy(), _item(k)["x"])
+    ds.close()
+    plain.close()
+    # Warm (every chunk in the cache now): built from the mapped chunks, no range read.
+    opts = objstore.storage_options
+    warm = _ds(remote, True, shuffle, cache_dir=tmp_path / "cTrue", storage_options=opts)
+    again = list(CacheDataLoader(warm, batch_size=BS, num_workers=2))
+    assert warm._led == 1 and warm.source.stats.range_gets == 0
+    assert warm.source.stats.chunks_fetched == 0
+    for a, b in zip(again, ref, strict=True):
+        same(a, b)
+    warm.close()
+
+
+def test_a_damaged_range_of_the_first_batch_is_caught(remote, written, objstore, tmp_path):
+    name, size, first = _chunk(written, 0)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=0.5))
+        # A byte of item 0 flipped in its range read (item 0 is in the main's batch only).
+        proxy.add_fault(Fault("flip", path=name, range=f"bytes={first}-", flip_at=ITEM // 2))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _ds(remote, True, cache_dir=tmp_path / "c", storage_options=options)
+        it = iter(CacheDataLoader(ds, batch_size=BS, num_workers=2))
+        damaged = next(it)
+        assert proxy.fired("flip") == 1 and ds._led == 1
+        assert not np.array_equal(damaged["x"][0].numpy(), _item(0)["x"])  # before the check
+        with pytest.raises(ChecksumMismatchError, match="read by range before the chunk landed"):
+            list(it)  # compared once the epoch is over and a worker's reads landed the chunk
+        ds.close()
+
+
+# -- resume: the same states and batches as the plain run, stopped anywhere ---------------
+def _keys(batch: Any) -> list[int]:
+    return batch["y"].tolist()
+
+
+def _run(path: Path, cfg: dict[str, Any], here: bool, stop: int) -> tuple[list[int], Any, int]:
+    """Items of ``stop`` batches, the state there, then the items of a fresh loader resumed
+    from it up to the end of epoch ``EPOCHS - 1``; and the main-built first batches."""
+    kw = {"batch_size": cfg["bs"], "drop_last": cfg["drop_last"], "num_workers": 2}
+    ds = _ds(path, here, cfg["shuffle"])
+    dl = CacheDataLoader(ds, **kw)
+    it = iter(dl)
+    got: list[int] = []
+    for _ in range(stop):
+        got += _keys(next(it))
+    state = pickle.loads(pickle.dumps(dl.state_dict()))
+    del it
+    again_ds = _ds(path, here, cfg["shuffle"])
+    again = CacheDataLoader(again_ds, **kw)
+    again.load_state_dict(state)
+    while again.epoch < EPOCHS:
+        got += [k for b in again for k in _keys(b)]
+    assert dl.batch_fallback is None
+    return got, state, ds._led + again_ds._led
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    bs=st.integers(2, 7),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    stop=st.sampled_from(["0", "1", "last"]),
+)
+@example(bs=4, drop_last=False, shuffle=True, stop="0")
+@example(bs=5, drop_last=True, shuffle=False, stop="1")
+@example(bs=3, drop_last=False, shuffle=True, stop="last")
+def test_states_and_batches_are_the_plain_runs(fixed, bs, drop_last, shuffle, stop):
+    cfg = {"bs": bs, "drop_last": drop_last, "shuffle": shuffle}
+    last = 23 // bs if drop_last else -(-23 // bs)
+    at = {"0": 0, "1": 1, "last": last}[stop]
+    got, state, led = _run(fixed, cfg, True, at)
+    ref, ref_state, ref_led = _run(fixed, cfg, False, at)
+    assert got == ref and state == ref_state
+    assert ref_led == 0
+    # Built here: the first batch of the loader stopped after `at`... (none when stopped
+    # before asking for one), and of each epoch the resumed loader starts.
+    assert led == (1 if at else 0) + EPOCHS - (1 if at == last else 0)
+
+
+def test_persistent_workers_keep_the_order(fixed):
+    """Only a loader's new workers start after a main-built batch: with persistent
+    workers the later epochs come from the same workers, as in the plain run."""
+    got = {}
+    for here in (True, False):
+        ds = _ds(fixed, here, True)
+        dl = CacheDataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+        got[here] = ([k for _ in range(EPOCHS) for b in dl for k in _keys(b)], ds._led)
+        del dl
+    assert got[True][0] == got[False][0]
+    assert sorted(got[True][0]) == sorted(list(range(23)) * EPOCHS)
+    assert got[True][1] == 1 and got[False][1] == 0
