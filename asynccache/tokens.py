@@ -147,32 +147,37 @@ class TokenUnits:
         a block that spans chunks is assembled from its pieces. Block ``j`` goes to row
         ``at[j]`` (default: row ``j``; increasing), so several datasets can fill the rows
         of one batch."""
+        if not len(blocks):
+            return
         L = self.block_size
         w = self.dtype.itemsize
         out = rows.view(np.uint8)  # (n, L * w)
         dest = np.arange(len(blocks), dtype=np.int64) if at is None else at
         starts, offsets = self.layout.locate_many(blocks)
         inside = starts == self.layout.last_chunks(blocks)
+        row_of = offsets // L  # a chunk's blocks: rows of its tokens from offset % L on
         by_chunk = np.argsort(starts, kind="stable")  # (each chunk's blocks in batch order)
-        cuts = np.flatnonzero(np.diff(starts[by_chunk])) + 1
-        for g in np.split(by_chunk, cuts) if len(blocks) else ():
-            g = g[inside[g]]
-            if not len(g):
-                continue
-            src = reader.chunk_tokens(int(starts[g[0]])).view(np.uint8)
-            off = offsets[g]
-            r = int(off[0]) % L
-            p = (off - r) // L
-            count = int(p[-1] if len(p) == 1 else p.max()) + 1
-            view = src[r * w : (r + count * L) * w].reshape(count, L * w)
+        ends = [*(np.flatnonzero(np.diff(starts[by_chunk])) + 1).tolist(), len(blocks)]
+        spanning = not bool(inside.all())
+        a = 0
+        for b in ends:
+            g, a = by_chunk[a:b], b
+            if spanning:
+                g = g[inside[g]]
+                if not len(g):
+                    continue
+            src = reader.chunk_tokens(int(starts[g[0]]))
+            r = int(offsets[g[0]]) % L
+            view = src[r : r + (len(src) - r) // L * L].view(np.uint8).reshape(-1, L * w)
             d = dest[g]
             k = len(g)
             if k == 1:
-                out[int(d[0])] = view[int(p[0])]
+                out[int(d[0])] = view[int(row_of[g[0]])]
             elif int(d[-1]) - int(d[0]) == k - 1:  # consecutive rows: gather in place
-                np.take(view, p, axis=0, out=out[int(d[0]) : int(d[0]) + k], mode="clip")
+                rows_k = out[int(d[0]) : int(d[0]) + k]
+                np.take(view, row_of[g], axis=0, out=rows_k, mode="clip")  # (unbuffered)
             else:
-                out[d] = view[p]
+                out[d] = view[row_of[g]]
         for j in np.flatnonzero(~inside).tolist():
             rows[int(dest[j])] = self.read(reader, int(blocks[j]))
 
