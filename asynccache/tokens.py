@@ -154,7 +154,8 @@ class TokenUnits:
         out = rows.view(np.uint8)  # (n, L * w)
         dest = np.arange(len(blocks), dtype=np.int64) if at is None else at
         starts, offsets = self.layout.locate_many(blocks)
-        inside = starts == self.layout.last_chunks(blocks)
+        bounds = self.layout.starts
+        inside = offsets + L <= bounds[starts + 1] - bounds[starts]  # (not into the next)
         row_of = offsets // L  # a chunk's blocks: rows of its tokens from offset % L on
         by_chunk = np.argsort(starts, kind="stable")  # (each chunk's blocks in batch order)
         ends = [*(np.flatnonzero(np.diff(starts[by_chunk])) + 1).tolist(), len(blocks)]

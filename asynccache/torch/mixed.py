@@ -34,8 +34,6 @@ from ..sampling.partition import received_per_worker
 from . import batches, distributed
 from .streaming import (
     _STAT_FIELDS,
-    _STAT_ROWS,
-    _STATS_AT,
     StreamingDataset,
     _drop,
     _Progress,
@@ -240,7 +238,8 @@ class MixedDataset(StreamingDataset):
         self._progress = _Progress()
         self._yielded = 0
         self._rank_world = distributed.rank_and_world()
-        self._shared = _shared_bytes(_STATS_AT + _STAT_ROWS * len(_STAT_FIELDS) * 8)
+        # A block laid out as a StreamingDataset's (the same size as its streams').
+        self._shared = _shared_bytes(self.streams[0]._shared.numel())
         self._owner = os.getpid()
         self._expect = 0
         self._pending: tuple[_Progress, int] | None = None
@@ -248,7 +247,6 @@ class MixedDataset(StreamingDataset):
         self._stats_pid = -1
         self._stats_base = np.zeros(len(_STAT_FIELDS))
         self._batch_mode: bool | None = None
-        self._led = 0  # first batches built in the main process (StreamingDataset._lead_batch)
         self._new_busy()
         self._publish()
 
