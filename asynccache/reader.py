@@ -349,6 +349,12 @@ class Reader:
                     "landed differ from the verified chunk (damaged in transit); items "
                     "read from them were already handed out"
                 )
+        view.release()
+        if m.mm:
+            # The mapping is new and nothing points into it yet: unmap the pages the
+            # comparison read (up to first_read_bytes), or they would stay in this
+            # process's memory for as long as the chunk is open.
+            m.mm.madvise(mmap.MADV_DONTNEED)
 
     def _where(self, ci: int) -> str:
         if self._ranged is not None:
