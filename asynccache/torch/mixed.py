@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -354,9 +355,9 @@ class MixedDataset(StreamingDataset):
         reads in that stream. Worked out for a window of the epoch at a time (batches
         of a worker's run take it in slices)."""
         cuts = np.flatnonzero(np.diff(slots) != 1) + 1  # (a batch may span two segments)
+        if not len(cuts):
+            return self._located(int(slots[0]), int(slots[-1]) + 1)
         found = [self._located(int(r[0]), int(r[-1]) + 1) for r in np.split(slots, cuts)]
-        if len(found) == 1:
-            return found[0]
         return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
 
     def _located(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -406,10 +407,7 @@ class MixedDataset(StreamingDataset):
         inner, parts, blocks = got
         form, shift = inner, 0
         if self.tag:  # (stream, sample) pairs: a list of the int64 tags and the samples
-            form = Form(
-                ("list", (("leaf", 0), _shifted(inner.tree, 1))),
-                (Leaf("i", np.dtype(np.int64).str, ()), *inner.leaves),
-            )
+            form = _tagged(inner)
             shift = form.regions(n)[0][1]
         buf, slot = self._buffer(form, n, pool)
         out = buf.numpy()
@@ -436,7 +434,7 @@ class MixedDataset(StreamingDataset):
             k = unit_keys[rows]
             tb = st._blocks
             if tb is not None:
-                f = Form(("leaf", 0), (Leaf("a", tb.dtype.str, (tb.block_size,)),))
+                f = _block_form(tb.dtype.str, tb.block_size)
                 if form is not None and f != form:
                     return None
                 form = f
@@ -617,6 +615,21 @@ class MixedDataset(StreamingDataset):
             f"MixedDataset({len(self.streams)} streams, mode={self.mode!r}, "
             f"counts={self.stream_counts}, epoch={self.epoch})"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _block_form(dtype: str, block_size: int) -> Form:
+    """The form of a token block: one array leaf of ``block_size`` tokens."""
+    return Form(("leaf", 0), (Leaf("a", dtype, (block_size,)),))
+
+
+@functools.lru_cache(maxsize=64)
+def _tagged(form: Form) -> Form:
+    """The form of ``(stream, sample)`` pairs whose samples have ``form``."""
+    return Form(
+        ("list", (("leaf", 0), _shifted(form.tree, 1))),
+        (Leaf("i", np.dtype(np.int64).str, ()), *form.leaves),
+    )
 
 
 def _shifted(tree: tuple[Any, ...], by: int) -> tuple[Any, ...]:
