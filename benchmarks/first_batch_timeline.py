@@ -127,6 +127,10 @@ def once(url: str, options: dict[str, str], cache: Path, shuffle: bool, args: An
     next(it)
     got = (time.monotonic() - t0) * 1e3
     ev = _events(t0)
+    later = []
+    for _ in range(3):  # the next batches, as a consumer that does nothing else sees them
+        next(it)
+        later.append(f"{(time.monotonic() - t0) * 1e3:.0f}")
     del it
     ds.close()
     main = os.getpid()
@@ -135,7 +139,8 @@ def once(url: str, options: dict[str, str], cache: Path, shuffle: bool, args: An
         who = "main" if pid == main else f"worker {pid}"
         steps = ", ".join(f"{s} {ev[pid][s]:.0f}" for s in STEPS if s in ev[pid])
         rows.append(f"    {who}: {steps}")
-    return f"  first batch received {got:.0f} ms\n" + "\n".join(rows)
+    head = f"  first batch received {got:.0f} ms, the next three at {', '.join(later)} ms"
+    return head + "\n" + "\n".join(rows)
 
 
 def main() -> None:

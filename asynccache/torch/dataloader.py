@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import os
@@ -12,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data._utils import signal_handling
 
 from ..cache.usage import scan
 from ..config import Settings
@@ -56,32 +56,40 @@ def _lazy(batches: Iterable[Any]) -> Iterator[Any]:
 
 
 def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
-    """At the first batch asked for: build that batch in this process (on a thread of its
-    own, its range reads on the I/O thread) while the workers start, then the workers'
-    batches, which begin after it. The order of batches and the states taken between them
-    are those of an epoch whose workers made every batch."""
+    """At the first batch asked for: build that batch here, hand it over while a thread
+    starts the workers, then the workers' batches, which begin after it. The order of
+    batches and the states taken between them are those of an epoch whose workers made
+    every batch."""
     keys = ds._lead()
     if keys is None:
         yield from loader
         return
-    first: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    if threading.current_thread() is threading.main_thread():
+        # torch installs its handler reporting a dead worker only from the main thread.
+        signal_handling._set_SIGCHLD_handler()
+    started: list[Iterator[Any]] = []
+    failed: list[BaseException] = []
 
-    def build() -> None:
+    def start() -> None:
         try:
-            first.set_result(ds._lead_batch(keys))
-        except BaseException as exc:  # handed to the consumer below
-            first.set_exception(exc)
+            started.append(iter(loader))  # forks (or spawns) the workers
+        except BaseException as exc:  # raised to the consumer at the next batch
+            failed.append(exc)
 
-    builder = threading.Thread(target=build, name="asynccache-first-batch", daemon=True)
-    builder.start()
+    starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
     try:
-        batches = iter(loader)  # the workers start (fork/spawn) meanwhile
-        # Bounded: the reader bounds each range read and chunk wait (retries, stalls).
-        yield first.result()
-        yield from batches
+        first = ds._lead_batch(keys)
+        starter.start()  # the workers start while the consumer has the first batch
+        yield first
+        del first  # (the consumer's now)
+        starter.join()  # bounded: starting the workers
+        if failed:
+            raise failed[0]
+        yield from started[0]
     finally:
-        # Done already unless starting the workers failed; bounded as the batch is.
-        builder.join()
+        if starter.ident is not None:
+            starter.join()
+        started.clear()  # (the workers end with their iterator)
         ds._lead_done()
 
 
