@@ -60,11 +60,20 @@ def test_finder_and_sampler_see_a_child_holding_chunk_bytes(tmp_path: Path) -> N
 def test_the_samplers_own_cpu_is_left_out_of_the_clients() -> None:
     """Reading smaps_rollup costs the sampling thread CPU (10-40% of a cold epoch's client
     CPU on a loaded box): the clock subtracts exactly what the samplers report."""
-    clock = limits.CpuClock().start()
-    with limits.PssSampler(interval_s=0.0) as pss, limits.PeakSampler(interval_s=0.0) as peaks:
-        while pss.samples < 50:
-            pss._stop.wait(0.01)
-    clock.stop(pss, peaks)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        clock = limits.CpuClock().start()
+        with (
+            limits.PssSampler(child.pid, interval_s=0.0) as pss,
+            limits.PeakSampler(interval_s=0.05) as peaks,
+        ):
+            while pss.samples < 20 or peaks.peak_mem == 0:
+                pss._stop.wait(0.01)
+        clock.stop(pss, peaks)
+    finally:
+        child.communicate(timeout=30)
     assert pss.cpu_s > 0 and peaks.cpu_s > 0
     assert clock.instruments == pss.cpu_s + peaks.cpu_s
     assert clock.client == pytest.approx(
