@@ -462,7 +462,10 @@ class StreamingDataset(IterableDataset[Any]):
             self._progress, self._skip = pending
             self._take_epoch(self._progress.epoch)
         else:
-            epoch = self._take_epoch()
+            # A worker starting after a batch the main process built runs the epoch that
+            # batch came from (another loader's workers over this dataset may have moved
+            # the counters on meanwhile).
+            epoch = self._take_epoch(self._progress.epoch if in_worker and self._head else None)
             self._skip = 0
             if self._progress.epoch != epoch:
                 self._progress = _Progress(epoch=epoch)
@@ -471,17 +474,21 @@ class StreamingDataset(IterableDataset[Any]):
                 self._publish()
         world = self._world()
         pr, p = self._plan(world)
-        if in_worker and pending is None and self._head:
-            # The main process handed out the next batch itself: start after it, as a
-            # loader resumed from the state after that batch does.
-            pr = dataclasses.replace(pr, received=pr.received + self._head)
         # Continuing a plan: batch p of the rank comes from logical worker p mod W, and a
         # DataLoader starts its round robin at worker 0, so worker j plays logical worker
         # (batches received + j) mod W, skipping what the consumer already has of it.
+        # `head`: samples the main process handed out itself before these workers started
+        # (CacheDataLoader's first batch): received too, but the epoch's plan is the
+        # plain one, whose reader skips them as its own (`_ahead`).
         nw = pr.num_workers
-        logical = (pr.received // pr.batch_size + world.worker) % nw
+        head = self._head if in_worker and pending is None else 0
+        logical = ((pr.received + head) // pr.batch_size + world.worker) % nw
         skip = received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received)[logical]
-        segments = _drop(p.workers[logical], skip + self._skip)
+        self._ahead = (
+            received_per_worker(p.rank_samples, nw, pr.batch_size, pr.received + head)[logical]
+            - skip
+        )
+        segments = _drop(p.workers[logical], skip + self._ahead + self._skip)
         order = self._order()
         self._plan_epoch(pr, world, logical)
         self._yielded = 0
@@ -654,7 +661,10 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _lead_done(self) -> None:
         """The epoch of a :meth:`_lead_batch` is over: compare the items it read by range
-        with their chunks (those in the cache now) and drop its mappings."""
+        with their chunks (those in the cache now) and drop its mappings. Workers that
+        start later (another loader's) start at the epoch's beginning again."""
+        self._head = 0
+        self._publish()
         try:
             self._reader.close()
         finally:
@@ -768,7 +778,7 @@ class StreamingDataset(IterableDataset[Any]):
             worker=logical,
             batch_size=pr.batch_size,
             drop_last=self.drop_last,
-            skipped=self._skip,
+            skipped=self._skip + self.__dict__.get("_ahead", 0),
             subsample=self.subsample,
             epoch_size=self.epoch_size,
             units=self.units,
