@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader
 
 from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset
 from asynccache.config import Settings
@@ -199,3 +200,14 @@ def test_persistent_workers_keep_the_order(fixed):
     assert got[True][0] == got[False][0]
     assert sorted(got[True][0]) == sorted(list(range(23)) * EPOCHS)
     assert got[True][1] == 1 and got[False][1] == 0
+
+
+def test_workers_started_after_a_led_epoch_read_whole_epochs(fixed):
+    """Once the epoch whose first batch the main process built is over, nothing is handed
+    out ahead any more: the workers of a plain DataLoader over the same dataset read
+    the next epoch whole."""
+    ds = _ds(fixed, True, True)
+    assert sorted(k for b in CacheDataLoader(ds, batch_size=4, num_workers=2) for k in _keys(b))
+    assert ds._led == 1 and ds._head == 0
+    plain = DataLoader(ds, batch_size=None, num_workers=2)  # whole batches, as published
+    assert sorted(k for b in plain for k in _keys(b)) == list(range(23))
