@@ -45,6 +45,10 @@ _PASSED = (
 STATE_VERSION = 1
 
 
+# The most a batch built in the main process delays the start of the workers.
+_START_AFTER_S = 1.0
+
+
 def _identity(batch: Any) -> Any:
     return batch
 
@@ -69,17 +73,27 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         signal_handling._set_SIGCHLD_handler()
     started: list[Iterator[Any]] = []
     failed: list[BaseException] = []
+    go = threading.Event()  # set: the batch is built (or building it failed)
+    built: list[bool] = []
 
     def start() -> None:
+        # Forking holds the interpreter lock: wait until the batch is built, so the
+        # batch is handed over at once; a batch that takes long (a slow link) gets the
+        # workers' start beside it after _START_AFTER_S.
+        go.wait(_START_AFTER_S)
+        if go.is_set() and not built:
+            return  # building it failed: nothing to start
         try:
             started.append(iter(loader))  # forks (or spawns) the workers
         except BaseException as exc:  # raised to the consumer at the next batch
             failed.append(exc)
 
     starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
+    starter.start()
     try:
         first = ds._lead_batch(keys)
-        starter.start()  # the workers start while the consumer has the first batch
+        built.append(True)
+        go.set()  # the workers start while the consumer has the first batch
         yield first
         del first  # (the consumer's now)
         starter.join()  # bounded: starting the workers
@@ -87,8 +101,8 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
             raise failed[0]
         yield from started[0]
     finally:
-        if starter.ident is not None:
-            starter.join()
+        go.set()
+        starter.join()
         started.clear()  # (the workers end with their iterator)
         ds._lead_done()
 
