@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from . import forksafe
+from .download import heap
 from .errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
 from .format.chunk import header_offsets, items_start
@@ -355,6 +356,11 @@ class Reader:
             # comparison read (up to first_read_bytes), or they would stay in this
             # process's memory for as long as the chunk is open.
             m.mm.madvise(mmap.MADV_DONTNEED)
+        del early, view
+        if not self._early:
+            # The last range-read buffers are gone: give the heap's free pages back (the
+            # pieces they were received in stayed resident in the I/O thread's arena).
+            heap.trim()
 
     def _where(self, ci: int) -> str:
         if self._ranged is not None:
