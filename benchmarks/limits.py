@@ -280,6 +280,7 @@ class CpuClock:
         self.client = 0.0
         self.other = 0.0
         self.instruments = 0.0
+        self.total = 0.0
         self._c0 = 0.0
         self._o0 = 0.0
 
@@ -291,7 +292,8 @@ class CpuClock:
     def stop(self, *samplers: PeakSampler | PssSampler) -> CpuClock:
         """Stop the clock; the CPU of ``samplers`` (stopped already) is not the client's."""
         self.instruments = sum(s.cpu_s for s in samplers)
-        self.client = cpu_self_children() - self._c0 - self.instruments
+        self.total = cpu_self_children() - self._c0  # the samplers' CPU included
+        self.client = self.total - self.instruments
         self.other = (cpu_pid(self.pid) if self.pid else 0.0) - self._o0
         return self
 
