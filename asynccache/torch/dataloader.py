@@ -68,6 +68,7 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     if keys is None:
         yield from loader
         return
+    no = ds._lead_no
     if threading.current_thread() is threading.main_thread():
         # torch installs its handler reporting a dead worker only from the main thread.
         signal_handling._set_SIGCHLD_handler()
@@ -104,7 +105,7 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         go.set()
         starter.join()
         started.clear()  # (the workers end with their iterator)
-        ds._lead_done()
+        ds._lead_done(no)
 
 
 class _ByKey(Dataset[Any]):

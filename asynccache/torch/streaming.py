@@ -625,6 +625,7 @@ class StreamingDataset(IterableDataset[Any]):
             self._publish()
             return None
         self._head = bs
+        self._lead_no = self.__dict__.get("_lead_no", 0) + 1
         self._publish()
         return run
 
@@ -659,10 +660,14 @@ class StreamingDataset(IterableDataset[Any]):
                 self._reader.release(ci)
             self._report_stats()
 
-    def _lead_done(self) -> None:
-        """The epoch of a :meth:`_lead_batch` is over: compare the items it read by range
-        with their chunks (those in the cache now) and drop its mappings. Workers that
-        start later (another loader's) start at the epoch's beginning again."""
+    def _lead_done(self, no: int) -> None:
+        """The epoch of lead ``no`` (``_lead_no`` after its :meth:`_lead`) is over:
+        compare the items it read by range with their chunks (those in the cache now) and
+        drop its mappings. Workers that start later (another loader's) start at the
+        epoch's beginning again. Nothing, when a later lead has begun meanwhile (an epoch
+        closed late by a thread that was inside it): that one's end does it all."""
+        if no != self._lead_no:
+            return
         self._head = 0
         self._publish()
         try:
