@@ -28,7 +28,7 @@ from .format import Index
 from .reader import Reader
 from .sampling.blocks import BlockLayout
 
-__all__ = ["TokenBlocks", "TokenUnits"]
+__all__ = ["TokenBlocks", "TokenUnits", "copy_blocks"]
 
 
 class TokenBlocks:
@@ -138,49 +138,34 @@ class TokenUnits:
             else:
                 yield self.read(reader, b)
 
+    def place(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each block: the chunk it starts in, and the byte offset of its first token
+        in that chunk's tokens, or -1 when it runs on into the next chunk(s)."""
+        starts, offsets = self.layout.locate_many(blocks)
+        bounds = self.layout.starts
+        inside = offsets + self.block_size <= bounds[starts + 1] - bounds[starts]
+        return starts, np.where(inside, offsets * self.dtype.itemsize, -1)
+
     def assemble_into(
         self, reader: Reader, blocks: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None
     ) -> None:
         """Blocks ``blocks`` copied into ``rows`` (``(n, block_size)`` of the token dtype,
-        C order), one copy per token: the blocks inside a chunk are rows of one reshape of
-        its tokens (they start ``block_size`` apart), so each chunk's share is one gather;
-        a block that spans chunks is assembled from its pieces. Block ``j`` goes to row
-        ``at[j]`` (default: row ``j``; increasing), so several datasets can fill the rows
-        of one batch."""
+        C order), one copy per token (see :func:`copy_blocks`). Block ``j`` goes to row
+        ``at[j]`` (default: row ``j``), so several datasets can fill the rows of one
+        batch."""
         if not len(blocks):
             return
-        L = self.block_size
-        w = self.dtype.itemsize
-        out = rows.view(np.uint8)  # (n, L * w)
-        dest = np.arange(len(blocks), dtype=np.int64) if at is None else at
-        starts, offsets = self.layout.locate_many(blocks)
-        bounds = self.layout.starts
-        inside = offsets + L <= bounds[starts + 1] - bounds[starts]  # (not into the next)
-        row_of = offsets // L  # a chunk's blocks: rows of its tokens from offset % L on
-        by_chunk = np.argsort(starts, kind="stable")  # (each chunk's blocks in batch order)
-        ends = [*(np.flatnonzero(np.diff(starts[by_chunk])) + 1).tolist(), len(blocks)]
-        spanning = not bool(inside.all())
-        a = 0
-        for b in ends:
-            g, a = by_chunk[a:b], b
-            if spanning:
-                g = g[inside[g]]
-                if not len(g):
-                    continue
-            src = reader.chunk_tokens(int(starts[g[0]]))
-            r = int(offsets[g[0]]) % L
-            view = src[r : r + (len(src) - r) // L * L].view(np.uint8).reshape(-1, L * w)
-            d = dest[g]
-            k = len(g)
-            if k == 1:
-                out[int(d[0])] = view[int(row_of[g[0]])]
-            elif int(d[-1]) - int(d[0]) == k - 1:  # consecutive rows: gather in place
-                rows_k = out[int(d[0]) : int(d[0]) + k]
-                np.take(view, row_of[g], axis=0, out=rows_k, mode="clip")  # (unbuffered)
-            else:
-                out[d] = view[row_of[g]]
-        for j in np.flatnonzero(~inside).tolist():
-            rows[int(dest[j])] = self.read(reader, int(blocks[j]))
+        chunks, offsets = self.place(blocks)
+        dest = range(len(blocks)) if at is None else at.tolist()
+        copy_blocks(
+            rows,
+            [(self, reader)],
+            dest,
+            [0] * len(blocks),
+            chunks.tolist(),
+            offsets.tolist(),
+            blocks.tolist(),
+        )
 
     def read(self, reader: Reader, block: int) -> Any:
         """Block ``block``: a view of its chunk's mapping, or one copy when it spans chunks."""
@@ -194,3 +179,39 @@ class TokenUnits:
             out[pos : pos + b - a] = reader.chunk_tokens(c)[a:b]
             pos += b - a
         return out
+
+
+def copy_blocks(
+    rows: np.ndarray,
+    sources: list[tuple[TokenUnits, Reader]],
+    dest: Any,
+    source: list[int],
+    chunks: list[int],
+    offsets: list[int],
+    blocks: list[int],
+) -> None:
+    """Row ``dest[j]`` of ``rows`` (``(n, block_size)``, C order) becomes block
+    ``blocks[j]`` of ``sources[source[j]]``, which starts in chunk ``chunks[j]`` at byte
+    ``offsets[j]`` of its tokens (-1: it spans chunks; :meth:`TokenUnits.place`).
+
+    A block inside its chunk is one slice copy from the chunk's mapping, each chunk's
+    tokens asked of its reader once per call: a batch's rows come from many chunks (a
+    mix's from every stream's), and a few row copies cost less than gathering each
+    chunk's rows with several numpy calls. A spanning block is assembled from its pieces.
+    """
+    if not rows.flags.c_contiguous:
+        raise ValueError("copy_blocks: rows must be C-contiguous")
+    width = rows.shape[1] * rows.itemsize
+    out = rows.reshape(-1).view(np.uint8).data
+    held: dict[tuple[int, int], memoryview] = {}
+    for r, s, c, o, b in zip(dest, source, chunks, offsets, blocks, strict=True):
+        if o < 0:
+            units, reader = sources[s]
+            rows[r] = units.read(reader, b)
+            continue
+        v = held.get((s, c))
+        if v is None:
+            units, reader = sources[s]
+            v = held[(s, c)] = reader.chunk_tokens(c).view(np.uint8).data
+        at = r * width
+        out[at : at + width] = v[o : o + width]

@@ -32,6 +32,7 @@ from ..sampling import Segment
 from ..sampling.mix import MODES, MixOrder, Share, stream_counts
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
+from ..tokens import copy_blocks
 from . import batches, distributed
 from .streaming import (
     _STAT_FIELDS,
@@ -350,17 +351,18 @@ class MixedDataset(StreamingDataset):
     def _chunks_of(self, keys: np.ndarray) -> np.ndarray:
         return np.empty(0, dtype=np.int64)  # (each stream's source follows its own plan)
 
-    def _locate(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For the samples of ``slots`` in order: the stream of each and the unit key it
-        reads in that stream. Worked out for a window of the epoch at a time (batches
-        of a worker's run take it in slices)."""
+    def _locate(self, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        """For the samples of ``slots`` in order: the stream of each, the unit key it
+        reads in that stream, and where a token block lies (its chunk and byte offset,
+        :meth:`TokenUnits.place`; 0 for items). Worked out for a window of the epoch at a
+        time (batches of a worker's run take it in slices)."""
         cuts = np.flatnonzero(np.diff(slots) != 1) + 1  # (a batch may span two segments)
         if not len(cuts):
             return self._located(int(slots[0]), int(slots[-1]) + 1)
         found = [self._located(int(r[0]), int(r[-1]) + 1) for r in np.split(slots, cuts)]
-        return np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+        return tuple(np.concatenate([f[i] for f in found]) for i in range(4))
 
-    def _located(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def _located(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
         """:meth:`_locate` of the slots ``[lo, hi)``."""
         epoch, u = self._progress.epoch, self.unit
         win = self.__dict__.get("_window")
@@ -368,17 +370,22 @@ class MixedDataset(StreamingDataset):
             end = min(self._mix(epoch).slots, max(hi, lo + -(-_WINDOW // u)))
             streams, positions = self._mix(epoch).locate(lo * u, end * u)
             keys = np.empty(len(positions), dtype=np.int64)
-            for s in range(len(self.streams)):
+            chunks = np.zeros(len(positions), dtype=np.int64)
+            offsets = np.zeros(len(positions), dtype=np.int64)
+            for s, st in enumerate(self.streams):
                 rows = np.flatnonzero(streams == s)
                 if not len(rows):
                     continue
                 mine = positions[rows]  # consecutive (a range of the mix is a range of each)
                 runs = np.split(mine, np.flatnonzero(np.diff(mine) != 1) + 1)
                 order = self._stream_order(s, epoch)
-                keys[rows] = np.concatenate([order.keys(int(r[0]), int(r[-1]) + 1) for r in runs])
-            win = self.__dict__["_window"] = (epoch, lo, end, streams, keys)
+                k = np.concatenate([order.keys(int(r[0]), int(r[-1]) + 1) for r in runs])
+                keys[rows] = k
+                if st._blocks is not None:
+                    chunks[rows], offsets[rows] = st._blocks.place(k)
+            win = self.__dict__["_window"] = (epoch, lo, end, streams, keys, chunks, offsets)
         a, b = (lo - win[1]) * u, (hi - win[1]) * u
-        return win[3][a:b], win[4][a:b]
+        return tuple(w[a:b] for w in win[3:])
 
     def _read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
         return np.empty(0, dtype=np.int64), self._read_slots(keys)
@@ -386,7 +393,7 @@ class MixedDataset(StreamingDataset):
     def _read_slots(self, slots: np.ndarray) -> Iterator[Any]:
         if not len(slots):
             return
-        streams, keys = self._locate(slots)
+        streams, keys = self._locate(slots)[:2]
         per = [_stream_items(st, keys[streams == s]) for s, st in enumerate(self.streams)]
         for s in streams.tolist():
             item = next(per[s])
@@ -399,8 +406,11 @@ class MixedDataset(StreamingDataset):
         # The batch loop counts the slots it yields; a mix counts samples (as its
         # per-item path does, and as state_dict expects).
         self._yielded += (self.unit - 1) * len(keys)
-        streams, unit_keys = self._locate(keys)
+        streams, unit_keys, chunks, offsets = self._locate(keys)
         n = len(streams)
+        blocks_form = self._blocks_form()
+        if blocks_form is not None:  # token streams of one form: every row one slice copy
+            return self._token_batch(blocks_form, streams, unit_keys, chunks, offsets, pool, row)
         got = self._plan_batch(streams, unit_keys)
         if got is None:
             return self._mix_collated(streams, unit_keys, row)
@@ -419,6 +429,51 @@ class MixedDataset(StreamingDataset):
         for tb, reader, k, rows in blocks:
             dest = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
             tb.assemble_into(reader, k, dest.reshape(n, tb.block_size), at=rows)
+        return self._send(form, n, buf, slot, pool, row)
+
+    def _blocks_form(self) -> Form | None:
+        """The form of the mix's samples when every stream is a token stream of one block
+        size and dtype (None: otherwise)."""
+        token = [st._blocks for st in self.streams]
+        if any(t is None for t in token):
+            return None
+        forms = {(t.dtype.str, t.block_size) for t in token if t is not None}
+        return _block_form(*forms.pop()) if len(forms) == 1 else None
+
+    def _token_batch(
+        self,
+        inner: Form,
+        streams: np.ndarray,
+        unit_keys: np.ndarray,
+        chunks: np.ndarray,
+        offsets: np.ndarray,
+        pool: batches.Pool,
+        row: int,
+    ) -> Any:
+        """A batch of token blocks: each row one slice copy from its stream's mapped chunk,
+        in one pass over the rows (:func:`copy_blocks`)."""
+        n = len(streams)
+        form, shift = inner, 0
+        if self.tag:
+            form = _tagged(inner)
+            shift = form.regions(n)[0][1]
+        buf, slot = self._buffer(form, n, pool)
+        out = buf.numpy()
+        if self.tag:
+            out[: 8 * n].view(np.int64)[:] = streams
+        tb = self.streams[0]._blocks
+        assert tb is not None
+        rows = out[shift : shift + tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+        sources = [(st._blocks, st._reader) for st in self.streams]
+        copy_blocks(
+            rows.reshape(n, tb.block_size),
+            sources,  # type: ignore[arg-type]
+            range(n),
+            streams.tolist(),
+            chunks.tolist(),
+            offsets.tolist(),
+            unit_keys.tolist(),
+        )
         return self._send(form, n, buf, slot, pool, row)
 
     def _plan_batch(self, streams: np.ndarray, unit_keys: np.ndarray) -> Any:

@@ -49,6 +49,18 @@ def test_blocks_are_the_concatenated_documents(
     assert all(g.dtype == np.dtype(dtype) and len(g) == block for g in got)
     want = stream[: len(units) * block]
     assert np.array_equal(np.concatenate(got) if got else want[:0], want)
+    # A batch copied row by row (blocks in shuffled order, into rows in another order,
+    # spanning blocks included) holds the same blocks, and nothing else is written.
+    if len(units):
+        rng = np.random.default_rng(block)
+        keys = rng.permutation(len(units))
+        at = rng.permutation(len(units) + 2)[: len(units)]
+        rows = np.full((len(units) + 2, block), 7, dtype)
+        units.assemble_into(reader, keys, rows, at=at)
+        for k, r in zip(keys.tolist(), at.tolist(), strict=True):
+            assert np.array_equal(rows[r], got[k])
+        untouched = np.setdiff1d(np.arange(len(rows)), at)
+        assert (rows[untouched] == 7).all()
     # Each block is owned by the chunk it starts in, in storage order: keys_of covers
     # every block once, and each touches the chunks its pieces name.
     owned = np.concatenate([units.keys_of(c) for c in range(len(index.chunks))] or [[]])
