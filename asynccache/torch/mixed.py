@@ -356,9 +356,9 @@ class MixedDataset(StreamingDataset):
         reads in that stream, and where a token block lies (its chunk and byte offset,
         :meth:`TokenUnits.place`; 0 for items). Worked out for a window of the epoch at a
         time (batches of a worker's run take it in slices)."""
-        cuts = np.flatnonzero(np.diff(slots) != 1) + 1  # (a batch may span two segments)
-        if not len(cuts):
+        if (slots[1:] - slots[:-1] == 1).all():  # (one run of slots: the usual batch)
             return self._located(int(slots[0]), int(slots[-1]) + 1)
+        cuts = np.flatnonzero(np.diff(slots) != 1) + 1  # (a batch may span two segments)
         found = [self._located(int(r[0]), int(r[-1]) + 1) for r in np.split(slots, cuts)]
         return tuple(np.concatenate([f[i] for f in found]) for i in range(4))
 
@@ -434,11 +434,13 @@ class MixedDataset(StreamingDataset):
     def _blocks_form(self) -> Form | None:
         """The form of the mix's samples when every stream is a token stream of one block
         size and dtype (None: otherwise)."""
-        token = [st._blocks for st in self.streams]
-        if any(t is None for t in token):
-            return None
-        forms = {(t.dtype.str, t.block_size) for t in token if t is not None}
-        return _block_form(*forms.pop()) if len(forms) == 1 else None
+        got = self.__dict__.get("_blocks_form_cache")
+        if got is None:
+            token = [st._blocks for st in self.streams]
+            forms = {None if t is None else (t.dtype.str, t.block_size) for t in token}
+            one = forms.pop() if len(forms) == 1 else None
+            got = self.__dict__["_blocks_form_cache"] = (_block_form(*one) if one else None,)
+        return got[0]
 
     def _token_batch(
         self,
@@ -464,6 +466,8 @@ class MixedDataset(StreamingDataset):
         tb = self.streams[0]._blocks
         assert tb is not None
         rows = out[shift : shift + tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+        for st in self.streams:  # every stream's prefetch starts now, not at its first wait
+            st.source.send_hint()
         sources = [(st._blocks, st._reader) for st in self.streams]
         copy_blocks(
             rows.reshape(n, tb.block_size),
