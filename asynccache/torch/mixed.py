@@ -136,12 +136,12 @@ class _MixView:
         return json.dumps(self.owner._identity(), sort_keys=True)
 
     def project(self, epoch: int) -> Any:
-        mix = self.owner._mix(epoch)
+        owner = self.owner
 
         def project(segs: list[Segment]) -> list[Segment]:
             out: list[Segment] = []
             for seg in segs:
-                for a, b in mix.project([(seg.start, seg.end)])[self.s]:
+                for a, b in owner._projected(epoch, seg.start, seg.end)[self.s]:
                     out.append(Segment(a, b, seg.pad))
             return out
 
@@ -261,6 +261,20 @@ class MixedDataset(StreamingDataset):
             )
             self.__dict__["_mix_cache"] = cached
         return cached
+
+    def _projected(self, epoch: int, start: int, end: int) -> list[list[tuple[int, int]]]:
+        """Each stream's ranges of its order that slots ``[start, end)`` of epoch
+        ``epoch`` read (:meth:`MixOrder.project`), worked out once for all the streams'
+        read plans (each asks for the same segments of the node's readers)."""
+        memo = self.__dict__.get("_project_memo")
+        if memo is None or memo[0] != epoch or len(memo[1]) > 4096:
+            fresh: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+            memo = self.__dict__["_project_memo"] = (epoch, fresh)
+        seen: dict[tuple[int, int], list[list[tuple[int, int]]]] = memo[1]
+        got = seen.get((start, end))
+        if got is None:
+            got = seen[(start, end)] = self._mix(epoch).project([(start, end)])
+        return got
 
     def _order(self) -> _Epoch:  # type: ignore[override]
         order = self.__dict__.get("_order_cache")
@@ -667,6 +681,7 @@ class MixedDataset(StreamingDataset):
         state.pop("_mix_cache", None)
         state.pop("_stream_orders", None)
         state.pop("_window", None)
+        state.pop("_project_memo", None)
         return state
 
     def __repr__(self) -> str:
