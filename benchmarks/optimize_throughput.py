@@ -10,8 +10,9 @@ count ``w`` in ``--workers``:
 * raw PUT limit: the same bytes as ``--chunk-mb`` MiB objects PUT by a bare aiohttp loop
   (SigV4, unsigned payload, the body sent in 1 MiB views) with ``w`` PUTs in flight (the
   payload prebuilt in memory: no generation, no encoding, no staging);
-* raw disk limit: the same bytes as chunk-sized files, all written, then all fsynced (a
-  local ``optimize`` fsyncs a shard's chunks together before its shard index);
+* raw disk limit: the same bytes as chunk-sized files, each written with its writeback
+  started at once, then all fsynced (as a local ``optimize`` does with a shard's chunks
+  before its shard index);
 * ``optimize`` to a local directory (``num_workers=w``);
 * ``optimize`` to SeaweedFS on loopback (``num_workers=w``), chunks staged on local disk
   and uploaded as they close.
