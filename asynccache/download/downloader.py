@@ -31,7 +31,6 @@ from ..errors import (
 )
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
-from . import heap
 from .gate import PriorityGate, shared_gate
 from .parts import fetch_range, split_parts
 from .progress import ProgressClock
@@ -409,7 +408,6 @@ class Downloader:
                         tmp.discard()
                         raise
             self.stats.chunks_fetched += 1
-            heap.trim()  # the freed pieces of the chunk: their pages back to the system
             return str(self.store.path(spec.name))
         finally:
             self.stats.finished()
