@@ -429,21 +429,30 @@ class MixedDataset(StreamingDataset):
         if got is None:
             return self._mix_collated(streams, unit_keys, row)
         inner, parts, blocks = got
-        form, shift = inner, 0
-        if self.tag:  # (stream, sample) pairs: a list of the int64 tags and the samples
-            form = _tagged(inner)
-            shift = form.regions(n)[0][1]
-        buf, slot = self._buffer(form, n, pool)
-        out = buf.numpy()
-        if self.tag:
-            out[: 8 * n].view(np.int64)[:] = streams
-        body = out[shift:]
+        form, buf, slot, body = self._tagged_buffer(inner, streams, pool)
         if parts:
             assemble_into(body, inner, parts, n)
         for tb, reader, k, rows in blocks:
             dest = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
             tb.assemble_into(reader, k, dest.reshape(n, tb.block_size), at=rows)
         return self._send(form, n, buf, slot, pool, row)
+
+    def _tagged_buffer(
+        self, inner: Form, streams: np.ndarray, pool: batches.Pool
+    ) -> tuple[Form, Any, int, np.ndarray]:
+        """A pooled buffer for ``len(streams)`` samples of form ``inner``: the batch's form,
+        the buffer, its slot, and the bytes the samples go in. With ``tag`` the samples are
+        (stream, sample) pairs, and the int64 tags are written here, ahead of the body."""
+        n = len(streams)
+        form, shift = inner, 0
+        if self.tag:
+            form = _tagged(inner)
+            shift = form.regions(n)[0][1]
+        buf, slot = self._buffer(form, n, pool)
+        out = buf.numpy()
+        if self.tag:
+            out[: 8 * n].view(np.int64)[:] = streams
+        return form, buf, slot, out[shift:]
 
     def _blocks_form(self) -> Form | None:
         """The form of the mix's samples when every stream is a token stream of one block
@@ -469,17 +478,10 @@ class MixedDataset(StreamingDataset):
         """A batch of token blocks: each row one slice copy from its stream's mapped chunk,
         in one pass over the rows (:func:`copy_blocks`)."""
         n = len(streams)
-        form, shift = inner, 0
-        if self.tag:
-            form = _tagged(inner)
-            shift = form.regions(n)[0][1]
-        buf, slot = self._buffer(form, n, pool)
-        out = buf.numpy()
-        if self.tag:
-            out[: 8 * n].view(np.int64)[:] = streams
+        form, buf, slot, body = self._tagged_buffer(inner, streams, pool)
         tb = self.streams[0]._blocks
         assert tb is not None
-        rows = out[shift : shift + tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+        rows = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
         for st in self.streams:  # every stream's prefetch starts now, not at its first wait
             st.source.send_hint()
         sources = [(st._blocks, st._reader) for st in self.streams]
