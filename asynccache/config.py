@@ -18,6 +18,7 @@ from typing import Any
 from .errors import ConfigError
 
 PREFIX = "ASYNCCACHE_"
+DEFAULT_PART_BYTES = 8 << 20
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -55,7 +56,11 @@ class Settings:
     max_cache_bytes: int = 50 << 30
     max_concurrency: int = 16
     prefetch_chunks: int = 4
-    part_bytes: int = 8 << 20  # cloud links: many parallel parts keep slow connections full
+    part_bytes: int = DEFAULT_PART_BYTES  # cloud links: parallel parts keep slow links full
+    # The part size adapts to the link as downloads run (docs/cache.md), starting from
+    # part_bytes. None: adapt unless part_bytes was set (from_env, or a value other than
+    # the default given here); an explicit ASYNCCACHE_PART_BYTES fixes the size.
+    adaptive_parts: bool | None = None
     retries: int = 5
     timeout_s: float = 60.0
     # A body that delivers less than this over a stall window (timeout_s) counts as
@@ -88,6 +93,8 @@ class Settings:
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.adaptive_parts is None:
+            object.__setattr__(self, "adaptive_parts", self.part_bytes == DEFAULT_PART_BYTES)
         if self.log_level is not None:
             if self.log_level.upper() not in _LOG_LEVELS:
                 raise ConfigError(
@@ -133,6 +140,8 @@ class Settings:
                 if "bytes" in name.split("_"):
                     value = as_size(value, name)
                 values[name] = value
+        if "part_bytes" in values and values.get("adaptive_parts") is None:
+            values["adaptive_parts"] = False  # a size chosen by hand stays fixed
         return cls(**values)
 
     @staticmethod
@@ -217,7 +226,7 @@ def as_size(value: Any, name: str) -> int:
 def _parse(name: str, typ: Any, raw: str) -> Any:
     typ = str(typ)
     try:
-        if typ == "bool":
+        if typ in ("bool", "bool | None"):
             low = raw.strip().lower()
             if low in _TRUE:
                 return True

@@ -32,6 +32,7 @@ from ..errors import (
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate, shared_gate
+from .link import endpoint_of, link_for, part_bytes_for
 from .parts import fetch_range, split_parts
 from .progress import ProgressClock
 from .ranges import read_range
@@ -117,6 +118,7 @@ class Downloader:
         # they would wait for a whole part to finish, which is what they are there to avoid.
         self._range_gate = PriorityGate(settings.max_concurrency)
         self._verify_local = verify_local
+        self._link = link_for(endpoint_of(storage))  # measured by every part (link.py)
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._all = ProgressClock()  # moves with any download of this downloader
@@ -421,7 +423,8 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        parts = split_parts(size, self.settings.part_bytes)
+        part = part_bytes_for(self.settings, self._link, size, len(self._inflight))
+        parts = split_parts(size, part)
         hasher = xxhash.xxh3_64() if checksum else None
         clock = self._clocks.get(key) or ProgressClock(self._all)
         await gather_or_cancel(
@@ -438,6 +441,7 @@ class Downloader:
                 hasher=hasher if start == 0 else None,
                 min_bytes_per_s=self.settings.min_bytes_per_s,
                 progress=clock,
+                link=self._link,
             )
             for start, end in parts
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -12,6 +13,7 @@ from typing import Protocol
 from ..cache.layout import TempFile
 from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
 from ..storage.base import Storage
+from .link import LinkEstimate
 from .progress import ProgressClock
 from .retry import RetryPolicy
 from .stats import DownloadStats
@@ -52,6 +54,7 @@ async def fetch_range(
     hasher: Hasher | None = None,
     min_bytes_per_s: int = 0,
     progress: ProgressClock | None = None,
+    link: LinkEstimate | None = None,
 ) -> None:
     """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
 
@@ -61,7 +64,9 @@ async def fetch_range(
     A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte, or
     fewer than ``min_bytes_per_s`` over a ``timeout_s`` window) is retried after a
     backoff, resuming from the first byte not yet received. ``progress`` (optional) is
-    touched as bytes land and attempts start and end, for waiters on other threads. Each
+    touched as bytes land and attempts start and end, for waiters on other threads.
+    ``link`` (optional) is told each complete attempt's time to first byte and body rate.
+    Each
     attempt holds one ``slot()`` of the process's concurrency limit while its request is
     open, and not while it sleeps.
 
@@ -87,6 +92,7 @@ async def fetch_range(
                     stats,
                     hasher,
                     progress,
+                    link,
                 )
             if cursor[0] < end:
                 raise TransientError(
@@ -150,9 +156,17 @@ async def _stream(
     stats: DownloadStats,
     hasher: Hasher | None,
     progress: ProgressClock | None,
+    link: LinkEstimate | None = None,
 ) -> None:
-    """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land."""
+    """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land.
+
+    A complete attempt tells ``link`` its time from the request to the first piece and
+    the rate of the bytes after that piece (one connection's rate).
+    """
     pos = cursor[0]
+    sent = time.monotonic()
+    first_at = 0.0  # when the first piece landed
+    after_first = pos  # where the bytes after the first piece begin
     pieces = storage.iter_range(key, pos, end).__aiter__()
     watchdog = _StallWatchdog(limits.timeout_s, limits.min_bytes_per_s)
     # Durable chunks are fsynced at publish: start writing them back as they arrive.
@@ -160,6 +174,9 @@ async def _stream(
     try:
         async for piece in pieces:
             watchdog.progress(len(piece))
+            if not first_at:
+                first_at = time.monotonic()
+                after_first = pos + len(piece)
             if progress is not None:
                 progress.moved(len(piece))
             if len(piece) > end - pos:
@@ -176,6 +193,8 @@ async def _stream(
                 flushed = pos
             if pos >= end:
                 break
+        if link is not None and first_at and pos >= end:
+            link.observe(first_at - sent, pos - after_first, time.monotonic() - first_at)
     except asyncio.CancelledError:
         if not watchdog.fired:
             raise

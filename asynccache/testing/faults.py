@@ -386,9 +386,10 @@ class FaultProxy:
         if not pace.rate:
             await resp.write(piece)
             return
-        step = max(1, pace.rate // 20)  # at most 50 ms worth of bytes per write
-        for i in range(0, len(piece), step):
-            part = piece[i : i + step]
+        i = 0
+        while i < len(piece):
+            part = piece[i : i + pace.step()]
+            i += len(part)
             delay = pace.due(len(part))  # a link at this rate delivers it no sooner
             if delay > 0:
                 if not pace.waited:
@@ -486,6 +487,12 @@ class _Pace:
 
     def __init__(self, rate: int) -> None:
         self.rate, self.sent, self.start, self.waited = rate, 0, 0.0, False
+
+    def step(self) -> int:
+        """Bytes to send in the next write: 1 ms worth for a body's first (a write leaves
+        when its last byte is due, so a larger first write would hold the first byte back
+        for the whole write: a first-byte wait the link does not have), then 50 ms worth."""
+        return max(1, self.rate // (1000 if not self.sent else 20))
 
     def due(self, nbytes: int) -> float:
         """Count ``nbytes`` as sent; the seconds to wait before sending more."""

@@ -1,0 +1,217 @@
+"""The link to each storage endpoint as downloads see it, and the part size it calls for.
+
+In the cloud a single connection is slow (tens of MB/s) and every request waits tens of
+milliseconds for its first byte; on loopback both are nearly free. A fixed part size is
+right for one regime only, so the downloader measures the link as it runs: every part that
+completes reports its time to first byte and the rate its body arrived at on that one
+connection (:meth:`LinkEstimate.observe`), and the next chunk's part size is chosen from
+the running estimate (:func:`choose_part_bytes`).
+
+The estimate is kept per storage endpoint, per process (:func:`link_for`): every dataset
+read from one endpoint shares it, and a forked DataLoader worker starts from what its
+parent measured.
+
+Layer: pure arithmetic plus one small per-process table; imports config and forksafe.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import threading
+from urllib.parse import urlsplit
+
+from .. import forksafe
+from ..config import Settings
+
+__all__ = [
+    "FIRST_BYTE_SHARE",
+    "LinkEstimate",
+    "PartBounds",
+    "choose_part_bytes",
+    "endpoint_of",
+    "link_for",
+    "part_bytes_for",
+]
+
+#: A part's body takes at least this many first-byte waits to arrive, so the wait costs
+#: each connection at most 1/(1 + FIRST_BYTE_SHARE) of its time.
+FIRST_BYTE_SHARE = 10
+
+_SAMPLES = 16  # the estimate is the median of this many latest samples
+_MIN_RATE_BYTES = 256 << 10  # bodies shorter than this say little about the rate
+_ALIGN = 1 << 20  # part sizes are whole MiB (tidier ranges; the hash needs no alignment)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartBounds:
+    """The sane range of part sizes: ``lo`` to ``hi`` bytes, in multiples of ``align``."""
+
+    lo: int = 2 << 20
+    hi: int = 64 << 20
+    align: int = _ALIGN
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lo <= self.hi or self.align <= 0:
+            raise ValueError(f"bad part bounds: {self}")
+
+
+def choose_part_bytes(
+    start: int,
+    *,
+    chunk_bytes: int,
+    window_chunks: int,
+    concurrency: int,
+    ttfb_s: float | None,
+    bytes_per_s: float | None,
+    bounds: PartBounds = PartBounds(),
+) -> int:
+    """The part size for the next chunk of ``chunk_bytes``.
+
+    Starts from ``start`` (``ASYNCCACHE_PART_BYTES``'s default) and moves it by two rules:
+
+    * **fill**: when the chunks being fetched (``window_chunks`` of ``chunk_bytes``) would
+      make fewer parts than ``concurrency`` connections, parts get smaller, down to
+      ``fill = chunk_bytes * window_chunks / concurrency``, so every connection has one;
+    * **first byte**: a part's body must take at least :data:`FIRST_BYTE_SHARE` first-byte
+      waits (``ttfb_s * bytes_per_s`` bytes each, as measured on this link), so parts get
+      larger when the link waits long for a first byte and then delivers fast. They grow
+      no larger than ``max(start, fill)``: past that, fewer requests than connections
+      would be out, and the link's throughput falls with every part taken away.
+
+    The result is clamped to ``bounds`` and aligned down to ``bounds.align`` (never below
+    ``bounds.lo``). With no estimate yet (``ttfb_s`` or ``bytes_per_s`` None), only the
+    fill rule applies.
+    """
+    fill = chunk_bytes * max(window_chunks, 1) / max(concurrency, 1)
+    part = min(float(start), fill)
+    if ttfb_s is not None and bytes_per_s is not None:
+        wanted = FIRST_BYTE_SHARE * ttfb_s * bytes_per_s
+        part = max(part, min(wanted, max(float(start), fill)))
+    part = min(max(part, bounds.lo), bounds.hi)
+    return max(bounds.lo, int(part) // bounds.align * bounds.align)
+
+
+class LinkEstimate:
+    """A running estimate of one endpoint's link, from the parts that completed.
+
+    Invariants:
+        * :attr:`ttfb_s` and :attr:`bytes_per_s` are medians of the latest ``_SAMPLES``
+          observations (a median, so one stalled or retried request moves it little);
+          None until the first observation that can say.
+        * A rate is taken only from bodies of at least ``_MIN_RATE_BYTES``: a short body
+          is mostly its first piece, and its "rate" would be that of the loop, not the
+          link.
+        * Safe from any thread (one mutex, held for a few list operations).
+    """
+
+    def __init__(self, endpoint: str = "") -> None:
+        self.endpoint = endpoint
+        self._mu = threading.Lock()
+        self._ttfb: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self._rate: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self.observed = 0  # observations so far (for __repr__ and tests)
+
+    def observe(self, ttfb_s: float, nbytes: int, transfer_s: float) -> None:
+        """One request: ``ttfb_s`` from sending it to the first body byte, then
+        ``nbytes`` more arrived over ``transfer_s`` seconds on the same connection."""
+        with self._mu:
+            self.observed += 1
+            if ttfb_s >= 0:
+                self._ttfb.append(ttfb_s)
+            if nbytes >= _MIN_RATE_BYTES and transfer_s > 0:
+                self._rate.append(nbytes / transfer_s)
+
+    @property
+    def ttfb_s(self) -> float | None:
+        with self._mu:
+            return statistics.median(self._ttfb) if self._ttfb else None
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        with self._mu:
+            return statistics.median(self._rate) if self._rate else None
+
+    def part_bytes(
+        self,
+        start: int,
+        *,
+        chunk_bytes: int,
+        window_chunks: int,
+        concurrency: int,
+        bounds: PartBounds = PartBounds(),
+    ) -> int:
+        """:func:`choose_part_bytes` with this link's estimate."""
+        return choose_part_bytes(
+            start,
+            chunk_bytes=chunk_bytes,
+            window_chunks=window_chunks,
+            concurrency=concurrency,
+            ttfb_s=self.ttfb_s,
+            bytes_per_s=self.bytes_per_s,
+            bounds=bounds,
+        )
+
+    def _after_fork_in_child(self) -> None:
+        self._mu = threading.Lock()  # the samples stay: the child uses the same link
+
+    def __repr__(self) -> str:
+        ttfb, rate = self.ttfb_s, self.bytes_per_s
+        return (
+            f"<LinkEstimate {self.endpoint} observed={self.observed} "
+            f"ttfb_ms={'-' if ttfb is None else f'{ttfb * 1e3:.1f}'} "
+            f"conn_MB/s={'-' if rate is None else f'{rate / 1e6:.1f}'}>"
+        )
+
+
+def part_bytes_for(settings: Settings, link: LinkEstimate, chunk_bytes: int, in_flight: int) -> int:
+    """The part size of a chunk of ``chunk_bytes`` that a downloader with ``in_flight``
+    chunks downloading (this one included) starts now: ``settings.part_bytes`` when it is
+    fixed, else chosen from ``link`` with the read-ahead window as the larger of
+    ``in_flight`` and ``settings.prefetch_chunks``."""
+    if not settings.adaptive_parts:
+        return settings.part_bytes
+    return link.part_bytes(
+        settings.part_bytes,
+        chunk_bytes=chunk_bytes,
+        window_chunks=max(in_flight, settings.prefetch_chunks, 1),
+        concurrency=settings.max_concurrency,
+    )
+
+
+class _Links:
+    """This process's estimates, one per endpoint. The mutex is renewed in a forked child
+    (it may have been held at the fork); the estimates are kept."""
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.by_endpoint: dict[str, LinkEstimate] = {}
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self.mu = threading.Lock()
+        for link in self.by_endpoint.values():
+            link._after_fork_in_child()
+
+
+_LINKS = _Links()
+
+
+def link_for(endpoint: str) -> LinkEstimate:
+    """The estimate of ``endpoint``'s link in this process (created on first use)."""
+    with _LINKS.mu:
+        link = _LINKS.by_endpoint.get(endpoint)
+        if link is None:
+            link = _LINKS.by_endpoint[endpoint] = LinkEstimate(endpoint)
+        return link
+
+
+def endpoint_of(storage: object) -> str:
+    """The endpoint a storage talks to: its ``endpoint`` (S3) or its URL's scheme and host."""
+    endpoint = getattr(storage, "endpoint", None)
+    if isinstance(endpoint, str) and endpoint:
+        return endpoint
+    url = str(getattr(storage, "url", ""))
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url

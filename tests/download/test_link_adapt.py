@@ -1,0 +1,248 @@
+"""The part size adapts to the link: the estimator's arithmetic, and real downloads through
+the fault proxy's link knobs (first-byte latency, per-connection cap) choosing it.
+
+No test bounds a duration: each checks what the downloader chose (the ranges the proxy
+saw), that the link knobs fired, and that every byte arrived intact.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dl_support import make_chunks
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asynccache.bridge import LoopThread
+from asynccache.cache import ChunkStore
+from asynccache.config import Settings
+from asynccache.download import Downloader
+from asynccache.download.link import (
+    FIRST_BYTE_SHARE,
+    LinkEstimate,
+    PartBounds,
+    choose_part_bytes,
+    endpoint_of,
+    link_for,
+    part_bytes_for,
+)
+from asynccache.errors import ConfigError
+from asynccache.storage import open_storage
+from asynccache.testing.faults import FaultProxy
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+
+
+# -- the arithmetic ----------------------------------------------------------------------
+def test_without_an_estimate_parts_fill_the_connections() -> None:
+    kw = dict(window_chunks=4, concurrency=16, ttfb_s=None, bytes_per_s=None)
+    # 4 chunks of 64 MiB make 32 parts of 8 MiB for 16 connections: the start stays.
+    assert choose_part_bytes(8 * MiB, chunk_bytes=64 * MiB, **kw) == 8 * MiB
+    # 4 chunks of 16 MiB would make 8 parts of 8 MiB: 4 MiB parts give each connection one.
+    assert choose_part_bytes(8 * MiB, chunk_bytes=16 * MiB, **kw) == 4 * MiB
+    # Never below the lower bound, however small the chunks.
+    assert choose_part_bytes(8 * MiB, chunk_bytes=1 * MiB, **kw) == PartBounds().lo
+
+
+def test_a_long_first_byte_wait_makes_parts_larger_up_to_the_fill() -> None:
+    kw = dict(chunk_bytes=64 * MiB, window_chunks=4, concurrency=16)
+    # 100 ms to the first byte at 100 MB/s wants 1 GB parts; 16 MiB still fills 16
+    # connections with a window of 4 chunks, and larger would leave some idle.
+    assert choose_part_bytes(8 * MiB, ttfb_s=0.1, bytes_per_s=100e6, **kw) == 16 * MiB
+    # 50 ms at 8 MB/s: 8 MiB parts take 1 s, 21 first-byte waits: the start stays.
+    assert choose_part_bytes(8 * MiB, ttfb_s=0.05, bytes_per_s=8e6, **kw) == 8 * MiB
+    # A short wait on a fast connection (loopback) never shrinks parts below the start.
+    assert choose_part_bytes(8 * MiB, ttfb_s=0.001, bytes_per_s=3e8, **kw) == 8 * MiB
+
+
+sizes = st.integers(1, 1 << 34)
+waits = st.none() | st.floats(0, 5, allow_nan=False)
+rates = st.none() | st.floats(1, 1e11, allow_nan=False)
+
+
+@given(
+    start=st.integers(1, 1 << 30),
+    chunk=sizes,
+    window=st.integers(0, 64),
+    conc=st.integers(1, 256),
+    ttfb=waits,
+    rate=rates,
+)
+def test_choice_is_bounded_aligned_and_keeps_both_rules(start, chunk, window, conc, ttfb, rate):
+    b = PartBounds()
+    part = choose_part_bytes(
+        start,
+        chunk_bytes=chunk,
+        window_chunks=window,
+        concurrency=conc,
+        ttfb_s=ttfb,
+        bytes_per_s=rate,
+    )
+    assert b.lo <= part <= b.hi and part % b.align == 0
+    fill = chunk * max(window, 1) / conc
+    # Never larger than the start or the fill allows, unless the bounds force it.
+    assert part <= max(b.lo, start, fill)
+    if ttfb is not None and rate is not None:
+        wanted = min(FIRST_BYTE_SHARE * ttfb * rate, max(start, fill), b.hi)
+        assert part > wanted - b.align  # the first-byte rule holds, to the alignment
+    else:
+        assert part <= max(b.lo, min(start, fill))
+
+
+@given(
+    chunk=sizes,
+    window=st.integers(1, 64),
+    conc=st.integers(1, 256),
+    ttfb=st.floats(0, 5, allow_nan=False),
+    rate=st.floats(1, 1e11, allow_nan=False),
+    more=st.floats(1, 100, allow_nan=False),
+)
+def test_choice_grows_with_the_wait_and_rate_and_shrinks_with_concurrency(
+    chunk, window, conc, ttfb, rate, more
+):
+    def part(t: float, r: float, c: int) -> int:
+        return choose_part_bytes(
+            8 * MiB,
+            chunk_bytes=chunk,
+            window_chunks=window,
+            concurrency=c,
+            ttfb_s=t,
+            bytes_per_s=r,
+        )
+
+    base = part(ttfb, rate, conc)
+    assert part(ttfb * more, rate, conc) >= base
+    assert part(ttfb, rate * more, conc) >= base
+    assert part(ttfb, rate, conc * 2) <= base
+
+
+def test_estimate_is_a_median_that_forgets_old_samples() -> None:
+    link = LinkEstimate("http://example")
+    assert link.ttfb_s is None and link.bytes_per_s is None
+    link.observe(0.001, 100, 0.001)  # a body too short to say anything of the rate
+    assert link.ttfb_s == 0.001 and link.bytes_per_s is None
+    for ttfb in (0.02, 0.03, 5.0):  # one stalled request moves a median little
+        link.observe(ttfb, 4 * MiB, 1.0)
+    assert link.ttfb_s == pytest.approx(0.025)
+    assert link.bytes_per_s == pytest.approx(4 * MiB)
+    for _ in range(16):  # the link changed: the estimate follows it entirely
+        link.observe(0.2, 8 * MiB, 0.5)
+    assert link.ttfb_s == pytest.approx(0.2)
+    assert link.bytes_per_s == pytest.approx(16 * MiB)
+    assert link.observed == 20 and "observed=20" in repr(link)
+
+
+def test_an_explicit_part_size_turns_adaptation_off() -> None:
+    fast_start = LinkEstimate()
+    for _ in range(3):
+        fast_start.observe(0.5, 64 * MiB, 0.5)  # wants the largest parts there are
+    kw = dict(chunk_bytes=256 * MiB, in_flight=4)
+    assert Settings.from_env({}).adaptive_parts is True
+    assert part_bytes_for(Settings.from_env({}), fast_start, **kw) == 64 * MiB
+    fixed = Settings.from_env({"ASYNCCACHE_PART_BYTES": "8MiB"})
+    assert fixed.adaptive_parts is False
+    assert part_bytes_for(fixed, fast_start, **kw) == 8 * MiB
+    assert Settings.from_env({}, part_bytes=3 * MiB).adaptive_parts is False
+    assert Settings.from_env({"ASYNCCACHE_ADAPTIVE_PARTS": "0"}).adaptive_parts is False
+    both = {"ASYNCCACHE_PART_BYTES": "4MiB", "ASYNCCACHE_ADAPTIVE_PARTS": "on"}
+    assert Settings.from_env(both).adaptive_parts is True  # 4 MiB is only the start
+    with pytest.raises(ConfigError, match="ASYNCCACHE_ADAPTIVE_PARTS"):
+        Settings.from_env({"ASYNCCACHE_ADAPTIVE_PARTS": "sometimes"})
+
+
+# -- real downloads through the proxy -----------------------------------------------------
+CHUNK = 6 * MiB  # 2 chunks in flight, 4 connections: fill = 3 MiB, start = lo = 2 MiB
+
+
+@pytest.fixture
+def lt():
+    loop_thread = LoopThread()
+    yield loop_thread
+    loop_thread.close()
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory):
+    src = tmp_path_factory.mktemp("link-src")
+    return src, make_chunks(src, [CHUNK] * 4, seed=17)
+
+
+def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> None:
+    """Fetch chunks 0-1 together (no estimate yet), then 2-3 (with one); every byte is
+    checked."""
+    settings = Settings.from_env(
+        {},
+        cache_dir=str(tmp_path / "cache"),
+        max_concurrency=4,
+        prefetch_chunks=2,
+        part_bytes=2 * MiB,
+        adaptive_parts=True,  # 2 MiB is where it starts
+        retries=1,
+        progress=False,
+    )
+    storage = open_storage(url, settings)
+    lt.register_closer(storage.close)
+    store = ChunkStore(tmp_path / "cache" / url.rsplit(":", 1)[-1], max_cache_bytes=1 << 30)
+    dl = Downloader(storage, store, settings, loop_thread=lt)
+    try:
+        for names in (["chunk-0-0.bin", "chunk-0-1.bin"], ["chunk-0-2.bin", "chunk-0-3.bin"]):
+            futs = {n: dl.ensure(n, len(chunks[n][0]), chunks[n][1]) for n in names}
+            for name, fut in futs.items():
+                with open(fut.result(30), "rb") as f:
+                    assert f.read() == chunks[name][0], name
+    finally:
+        dl.close()
+
+
+def _parts_seen(proxy: FaultProxy) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    for r in proxy.requests:
+        if r.method == "GET" and r.range:
+            name = r.path.rsplit("/", 1)[-1]
+            seen[name] = seen.get(name, 0) + 1
+    return seen
+
+
+def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
+    src, data = chunks
+    origin = http_origin(src)
+    # A slow start (300 ms to the first byte) on fast connections, and a prompt link of
+    # slow connections (8 MB/s each), each behind a proxy of its own (its own endpoint).
+    with (
+        FaultProxy(origin.url, latency_s=0.3, conn_bytes_per_s=32_000_000) as slow_start,
+        FaultProxy(origin.url, conn_bytes_per_s=8_000_000) as prompt,
+    ):
+        _two_rounds(tmp_path / "a", lt, slow_start.url, data)
+        _two_rounds(tmp_path / "b", lt, prompt.url, data)
+        assert slow_start.link_fired("latency") > 0 and slow_start.link_fired("cap") > 0
+        assert prompt.link_fired("cap") > 0 and prompt.link_fired("latency") == 0
+        a, b = _parts_seen(slow_start), _parts_seen(prompt)
+    # Round one knew nothing of either link: 2 MiB parts, 3 per chunk, on both.
+    for seen in (a, b):
+        assert seen["chunk-0-0.bin"] == seen["chunk-0-1.bin"] == 3
+    # Round two: the slow start wants parts far larger than 10 waits (9.6 MB at 32 MB/s);
+    # they stop at 3 MiB, where 2 chunks still give each of the 4 connections a part.
+    assert a["chunk-0-2.bin"] == a["chunk-0-3.bin"] == 2
+    # The prompt link keeps more, smaller parts than the slow start chose.
+    assert b["chunk-0-2.bin"] > a["chunk-0-2.bin"]
+    slow, quick = link_for(slow_start.url), link_for(prompt.url)
+    assert slow.ttfb_s is not None and quick.ttfb_s is not None
+    assert slow.ttfb_s >= 0.3 > quick.ttfb_s  # the proxy's wait is measured as such
+    # And straight from loopback: the bytes arrive intact, the estimate is this link's.
+    _two_rounds(tmp_path / "c", lt, origin.url, data)
+    direct = link_for(origin.url)
+    assert direct.observed >= 6 and direct.ttfb_s is not None and direct.ttfb_s < slow.ttfb_s
+
+
+def test_endpoint_is_the_s3_endpoint_or_the_url_host() -> None:
+    class S3Like:
+        endpoint = "http://127.0.0.1:8333"
+        url = "s3://bucket/prefix"
+
+    class HttpLike:
+        url = "https://host:8443/data/set"
+
+    assert endpoint_of(S3Like()) == "http://127.0.0.1:8333"
+    assert endpoint_of(HttpLike()) == "https://host:8443"
+    assert link_for("https://host:8443") is link_for("https://host:8443")
