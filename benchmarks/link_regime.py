@@ -44,6 +44,7 @@ import limits
 from streaming_epoch import BUCKET, Served, serve
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
+from asynccache.download.link import forget, link_for, part_bytes_for
 from asynccache.testing import ObjectStore
 
 
@@ -55,7 +56,7 @@ def _proxy_main(upstream: str, conn: Any) -> None:
         conn.send(proxy.url)
         while (msg := conn.recv()) is not None:
             if msg == "log":
-                conn.send([(r.method, r.path, r.at) for r in proxy.requests])
+                conn.send([(r.method, r.path, r.at, r.ended) for r in proxy.requests])
             else:
                 proxy.set_link(**msg)
                 conn.send("ok")
@@ -82,7 +83,7 @@ class ProxyProcess:
         self._conn.send({"latency_s": latency_s, "conn_bytes_per_s": conn_bytes_per_s})
         assert self._conn.poll(10) and self._conn.recv() == "ok"
 
-    def log(self) -> list[tuple[str, str, float]]:
+    def log(self) -> list[tuple[str, str, float, float]]:
         self._conn.send("log")
         assert self._conn.poll(30)
         return self._conn.recv()  # type: ignore[no-any-return]
@@ -108,6 +109,8 @@ class Link:
     startup: dict[str, list[float]] = field(default_factory=dict)
     epoch: dict[str, list[float]] = field(default_factory=dict)
     first: dict[str, list[float]] = field(default_factory=dict)
+    timeline: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    estimate: str = ""
 
 
 def _options(served: Served, endpoint: str) -> dict[str, str]:
@@ -135,17 +138,27 @@ def _prefetch(
     assert stats.bytes >= served.payload, (stats.bytes, served.payload)  # + index.json
     startup = float("nan")
     if proxy is not None:
-        gets = [at for m, p, at in proxy.log()[seen:] if m == "GET" and p.endswith(".bin")]
+        gets = [at for m, p, at, _ in proxy.log()[seen:] if m == "GET" and p.endswith(".bin")]
         startup = min(gets) - t0
     shutil.rmtree(cache, ignore_errors=True)
     return seconds, startup
 
 
 def _epoch(
-    served: Served, endpoint: str, settings: Settings, cache: Path, batch: int, workers: int
-) -> tuple[float, float]:
-    """(seconds, seconds to the first batch) of one cold epoch."""
+    served: Served,
+    endpoint: str,
+    settings: Settings,
+    cache: Path,
+    batch: int,
+    workers: int,
+    proxy: ProxyProcess | None = None,
+    concurrency: int = 1,
+) -> tuple[float, float, dict[str, float]]:
+    """(seconds, seconds to the first batch, the chunk GETs' timeline through ``proxy``:
+    see :func:`_timeline`; empty without a proxy) of one cold epoch."""
     shutil.rmtree(cache, ignore_errors=True)
+    seen = len(proxy.log()) if proxy else 0
+    m0 = time.monotonic()
     t0 = time.perf_counter()
     ds = StreamingDataset(
         served.url, cache_dir=cache, storage_options=_options(served, endpoint), settings=settings
@@ -157,10 +170,55 @@ def _epoch(
             first = time.perf_counter() - t0
         items += len(b)
     seconds = time.perf_counter() - t0
+    m1 = time.monotonic()
     assert items == served.n_items, (items, served.n_items)
     del loader, ds
     shutil.rmtree(cache, ignore_errors=True)
-    return seconds, first
+    timeline = _timeline(proxy.log()[seen:], m0, m1, concurrency) if proxy else {}
+    return seconds, first, timeline
+
+
+def _timeline(
+    log: list[tuple[str, str, float, float]], t0: float, t1: float, concurrency: int
+) -> dict[str, float]:
+    """Where an epoch's wall time went, from the chunk GETs the proxy saw between ``t0``
+    and ``t1`` (monotonic, the same clock in every process):
+
+    * ``start``: seconds from ``t0`` to the first chunk GET (start-up);
+    * ``open``: mean requests open from the first GET to the last response's end, as a
+      share of ``concurrency`` (1.0: every allowed connection busy all along);
+    * ``full``: share of that span with at least 90% of ``concurrency`` open;
+    * ``ramp``: seconds from the first GET until 90% of ``concurrency`` are first open;
+    * ``drain``: seconds from the last moment 90% were open to the last response's end;
+    * ``after``: seconds from the last response's end to ``t1`` (the epoch's own tail).
+    """
+    reqs = [(at, ended or t1) for m, p, at, ended in log if m == "GET" and p.endswith(".bin")]
+    if not reqs:
+        return {}
+    first, last = min(a for a, _ in reqs), max(e for _, e in reqs)
+    events = sorted([(a, 1) for a, _ in reqs] + [(e, -1) for _, e in reqs])
+    high = 0.9 * concurrency
+    area = full = 0.0
+    opened, prev = 0, first
+    reached = last_high = None
+    for t, step in events:
+        area += opened * (t - prev)
+        if opened >= high:
+            full += t - prev
+            last_high = t
+        prev = t
+        opened += step
+        if opened >= high and reached is None:
+            reached = t
+    span = max(last - first, 1e-9)
+    return {
+        "start": first - t0,
+        "open": area / span / concurrency,
+        "full": full / span,
+        "ramp": (reached if reached is not None else last) - first,
+        "drain": last - (last_high if last_high is not None else first),
+        "after": t1 - last,
+    }
 
 
 def _parse_link(text: str) -> Link:
@@ -207,7 +265,9 @@ def main() -> None:
                     endpoint = proxy.url if via else store.endpoint_url
                     if via:
                         proxy.set_link(link.latency_s, link.cap)
+                    forget(endpoint.rstrip("/"))  # the link behind this endpoint changed
                     _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch)
+                    link.estimate = _estimate(endpoint, base, args.chunk_mb << 20)
                     print(_summary(link), flush=True)
             finally:
                 proxy.close()
@@ -231,9 +291,22 @@ def _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch) -
             continue
         link.bare_epoch.append(_bare(served, endpoint, served.parts, c_epoch))
         for name, settings in configs.items():
-            s, first = _epoch(served, endpoint, settings, work / "cache", args.batch, args.workers)
+            s, first, tl = _epoch(
+                served, endpoint, settings, work / "cache", args.batch, args.workers, via, c_epoch
+            )
             link.epoch.setdefault(name, []).append(s)
             link.first.setdefault(name, []).append(first)
+            if tl:
+                link.timeline.setdefault(name, []).append(tl)
+
+
+def _estimate(endpoint: str, base: Settings, chunk_bytes: int) -> str:
+    """What this process measured of the link, and the part size it chooses from it for
+    a chunk of ``chunk_bytes`` with ``PREFETCH_CHUNKS`` chunks ahead (an epoch's steady
+    state; prefetch() has more ahead, the start and end of an epoch fewer)."""
+    link = link_for(endpoint.rstrip("/"))  # as S3Storage.endpoint spells it
+    part = part_bytes_for(base, link, chunk_bytes, base.prefetch_chunks)
+    return f"{link!r}, part {part / 2**20:.0f} MiB"
 
 
 def _ratios(limit: list[float], ours: list[float]) -> list[float]:
@@ -250,6 +323,11 @@ def _summary(link: Link) -> str:
             f"epoch[{name}] {med(_ratios(link.bare_epoch, s)):.2f} first "
             f"{med(link.first[name]):.2f} s"
         )
+    for name, tls in link.timeline.items():
+        keys = tls[0].keys()
+        cells = ", ".join(f"{k} {statistics.median(t[k] for t in tls):.2f}" for k in keys)
+        out.append(f"\n  epoch[{name}] GETs: {cells}")
+    out.append(f"\n  estimate: {link.estimate}")
     return " ".join(out) + f"; load {limits.loadavg()}"
 
 
@@ -257,7 +335,8 @@ def _report(args, links, configs, base, served, c_pre, c_epoch, load0) -> None:
     print(
         f"\nlink regime: {served.n_items} items x {args.item_kb} KiB "
         f"({served.payload / 2**20:,.0f} MiB) in {args.chunk_mb} MiB chunks; defaults: "
-        f"part {base.part_bytes >> 20} MiB, MAX_CONCURRENCY {base.max_concurrency}, "
+        f"part {'adaptive from ' if base.adaptive_parts else ''}"
+        f"{base.part_bytes >> 20} MiB, MAX_CONCURRENCY {base.max_concurrency}, "
         f"PREFETCH_CHUNKS {base.prefetch_chunks}; bare loop at {c_pre} (prefetch) and "
         f"{c_epoch} (epoch: {args.workers} workers) in flight, parts of "
         f"{args.bare_part_mib} MiB; median (min-max) of {args.reps}; {limits.cores()} "

@@ -121,6 +121,7 @@ class Downloader:
         self._link = link_for(endpoint_of(storage))  # measured by every part (link.py)
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
+        self._parts: dict[str, int] = {}  # the parts of each download in flight (see _pump)
         self._all = ProgressClock()  # moves with any download of this downloader
         self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
         self.stall_s = settings.timeout_s + settings.backoff_max_s + _STALL_SLACK_S
@@ -346,6 +347,7 @@ class Downloader:
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
             )
             self._inflight[spec.name] = task
+            self._parts[spec.name] = self._part_count(spec.size)  # _fill knows it exactly
             task.add_done_callback(functools.partial(self._done, spec.name))
         return task
 
@@ -353,6 +355,7 @@ class Downloader:
         if self._inflight.get(name) is task:
             del self._inflight[name]
             self._clocks.pop(name, None)
+            self._parts.pop(name, None)
         self._hinted.discard(name)
         if not task.cancelled() and isinstance(task.exception(), Deferred):
             self.stats.deferred += 1
@@ -423,8 +426,10 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        part = part_bytes_for(self.settings, self._link, size, len(self._inflight))
+        part = part_bytes_for(self.settings, self._link, size, self._chunks_ahead())
         parts = split_parts(size, part)
+        if key in self._parts:
+            self._parts[key] = len(parts)
         hasher = xxhash.xxh3_64() if checksum else None
         clock = self._clocks.get(key) or ProgressClock(self._all)
         await gather_or_cancel(
@@ -468,6 +473,11 @@ class Downloader:
     def _window(self) -> list[ChunkSpec]:
         return self._queue[: self.settings.prefetch_chunks]
 
+    def _chunks_ahead(self) -> int:
+        """Chunks downloading now, and those of the prefetch window not started yet: what
+        the part size must fill the connections with (see link.py)."""
+        return len(self._inflight) + sum(1 for s in self._window() if s.name not in self._inflight)
+
     def _defer(self) -> None:
         """Start no prefetch until the reader asks for a chunk or the retry time passes."""
         self._deferred = True
@@ -502,11 +512,28 @@ class Downloader:
             return  # a reader waits for a download: new prefetches would slow it down
         if self._deferred:
             return  # the node's prefetch room is full (see _defer)
+        # The window in parts, not only chunks: a prefetch starts when its parts fit in
+        # the concurrency limit beside those of the downloads in flight. Started all at
+        # once, the window's chunks queued their parts behind each other and every slot
+        # a part freed went to a later chunk, whose parts then shared the link with the
+        # earlier chunk's last ones: the chunks landed together, late, the reader waited
+        # for the first, and the downloads stopped once the window was in (a cold epoch
+        # ran in waves; docs/cache.md, "Where a cold epoch's time goes").
+        busy = sum(self._parts.get(name, 1) for name in self._inflight)
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue
+            need = self._part_count(spec.size)
+            if self._inflight and busy + need > self.settings.max_concurrency:
+                break  # the later ones wait too: chunks land in the order they are read
             self._hinted.add(spec.name)
             self._start(spec)
+            busy += need
+
+    def _part_count(self, size: int | None) -> int:
+        """The parts a chunk of ``size`` bytes is fetched in, as far as known before its
+        download starts (the part size may adapt to the link meanwhile)."""
+        return len(split_parts(size, self.settings.part_bytes)) if size else 1
 
     def _waited_needs_slots(self) -> bool:
         """True while a download some caller waits for may still need a concurrency slot.

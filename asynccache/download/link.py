@@ -31,6 +31,7 @@ __all__ = [
     "PartBounds",
     "choose_part_bytes",
     "endpoint_of",
+    "forget",
     "link_for",
     "part_bytes_for",
 ]
@@ -165,17 +166,23 @@ class LinkEstimate:
         )
 
 
-def part_bytes_for(settings: Settings, link: LinkEstimate, chunk_bytes: int, in_flight: int) -> int:
-    """The part size of a chunk of ``chunk_bytes`` that a downloader with ``in_flight``
-    chunks downloading (this one included) starts now: ``settings.part_bytes`` when it is
-    fixed, else chosen from ``link`` with the read-ahead window as the larger of
-    ``in_flight`` and ``settings.prefetch_chunks``."""
+def part_bytes_for(
+    settings: Settings, link: LinkEstimate, chunk_bytes: int, chunks_ahead: int
+) -> int:
+    """The part size of a chunk of ``chunk_bytes`` that a downloader starts now, with
+    ``chunks_ahead`` chunks downloading or due next (this one included):
+    ``settings.part_bytes`` when it is fixed, else chosen from ``link``.
+
+    ``chunks_ahead`` is what there is to fill the connections with: at the start of an
+    epoch (before the reader's hint) and at its end it is one or two chunks, and their
+    parts are made small enough to give every connection one.
+    """
     if not settings.adaptive_parts:
         return settings.part_bytes
     return link.part_bytes(
         settings.part_bytes,
         chunk_bytes=chunk_bytes,
-        window_chunks=max(in_flight, settings.prefetch_chunks, 1),
+        window_chunks=max(chunks_ahead, 1),
         concurrency=settings.max_concurrency,
     )
 
@@ -205,6 +212,13 @@ def link_for(endpoint: str) -> LinkEstimate:
         if link is None:
             link = _LINKS.by_endpoint[endpoint] = LinkEstimate(endpoint)
         return link
+
+
+def forget(endpoint: str) -> None:
+    """Drop what this process measured of ``endpoint`` (a benchmark that changes the link
+    behind one endpoint between runs; a link does not change like that in use)."""
+    with _LINKS.mu:
+        _LINKS.by_endpoint.pop(endpoint, None)
 
 
 def endpoint_of(storage: object) -> str:

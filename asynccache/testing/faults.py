@@ -95,13 +95,15 @@ class Fault:
 
 @dataclasses.dataclass(frozen=True)
 class RequestRecord:
-    """One request the proxy received (``at``: its arrival, ``time.monotonic()``)."""
+    """One request the proxy received (``at``: its arrival, ``ended``: when its handler
+    returned or failed, 0.0 while it runs; both ``time.monotonic()``)."""
 
     method: str
     path: str
     range: str | None
     fault: FaultKind | None
     at: float = 0.0
+    ended: float = 0.0
 
 
 class ServerThread:
@@ -323,11 +325,16 @@ class FaultProxy:
         with self._mu:
             self._open += 1
             self._peak_open = max(self._peak_open, self._open)
+        with self._mu:
+            index = len(self._log)  # where _handle_counted logs it (no await before)
         try:
             return await self._handle_counted(request)
         finally:
             with self._mu:
                 self._open -= 1
+                if index < len(self._log):
+                    rec = self._log[index]
+                    self._log[index] = dataclasses.replace(rec, ended=time.monotonic())
 
     async def _handle_counted(self, request: web.Request) -> web.StreamResponse:
         rng = request.headers.get("Range") or request.headers.get("x-ms-range")

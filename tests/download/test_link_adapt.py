@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
-from asynccache.download import Downloader
+from asynccache.download import ChunkSpec, Downloader
 from asynccache.download.link import (
     FIRST_BYTE_SHARE,
     LinkEstimate,
@@ -137,7 +137,7 @@ def test_an_explicit_part_size_turns_adaptation_off() -> None:
     fast_start = LinkEstimate()
     for _ in range(3):
         fast_start.observe(0.5, 64 * MiB, 0.5)  # wants the largest parts there are
-    kw = dict(chunk_bytes=256 * MiB, in_flight=4)
+    kw = dict(chunk_bytes=256 * MiB, chunks_ahead=4)
     assert Settings.from_env({}).adaptive_parts is True
     assert part_bytes_for(Settings.from_env({}), fast_start, **kw) == 64 * MiB
     fixed = Settings.from_env({"ASYNCCACHE_PART_BYTES": "8MiB"})
@@ -168,9 +168,10 @@ def chunks(tmp_path_factory):
     return src, make_chunks(src, [CHUNK] * 4, seed=17)
 
 
-def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> None:
-    """Fetch chunks 0-1 together (no estimate yet), then 2-3 (with one); every byte is
-    checked."""
+def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> int:
+    """Fetch chunks 0-1 together (nothing known of the link yet), then 2-3 (with what
+    round one measured); every byte is checked. Returns the part size the estimate
+    called for between the rounds (2 chunks ahead, 4 connections, starting at 2 MiB)."""
     settings = Settings.from_env(
         {},
         cache_dir=str(tmp_path / "cache"),
@@ -183,16 +184,21 @@ def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> None:
     )
     storage = open_storage(url, settings)
     lt.register_closer(storage.close)
-    store = ChunkStore(tmp_path / "cache" / url.rsplit(":", 1)[-1], max_cache_bytes=1 << 30)
+    store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=1 << 30)
     dl = Downloader(storage, store, settings, loop_thread=lt)
+    called_for = 0
     try:
         for names in (["chunk-0-0.bin", "chunk-0-1.bin"], ["chunk-0-2.bin", "chunk-0-3.bin"]):
+            if not called_for and names[0] == "chunk-0-2.bin":
+                called_for = part_bytes_for(settings, link_for(url), CHUNK, len(names))
+            dl.hint(ChunkSpec(n, len(chunks[n][0]), chunks[n][1]) for n in names)  # together
             futs = {n: dl.ensure(n, len(chunks[n][0]), chunks[n][1]) for n in names}
             for name, fut in futs.items():
                 with open(fut.result(30), "rb") as f:
                     assert f.read() == chunks[name][0], name
     finally:
         dl.close()
+    return called_for
 
 
 def _parts_seen(proxy: FaultProxy) -> dict[str, int]:
@@ -204,6 +210,13 @@ def _parts_seen(proxy: FaultProxy) -> dict[str, int]:
     return seen
 
 
+def _wanted(url: str) -> float:
+    """The part size the first-byte rule alone asks of ``url``'s link."""
+    link = link_for(url)
+    assert link.ttfb_s is not None and link.bytes_per_s is not None
+    return FIRST_BYTE_SHARE * link.ttfb_s * link.bytes_per_s
+
+
 def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
     src, data = chunks
     origin = http_origin(src)
@@ -213,26 +226,27 @@ def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
         FaultProxy(origin.url, latency_s=0.3, conn_bytes_per_s=32_000_000) as slow_start,
         FaultProxy(origin.url, conn_bytes_per_s=8_000_000) as prompt,
     ):
-        _two_rounds(tmp_path / "a", lt, slow_start.url, data)
-        _two_rounds(tmp_path / "b", lt, prompt.url, data)
+        part_a = _two_rounds(tmp_path / "a", lt, slow_start.url, data)
+        part_b = _two_rounds(tmp_path / "b", lt, prompt.url, data)
         assert slow_start.link_fired("latency") > 0 and slow_start.link_fired("cap") > 0
         assert prompt.link_fired("cap") > 0 and prompt.link_fired("latency") == 0
         a, b = _parts_seen(slow_start), _parts_seen(prompt)
     # Round one knew nothing of either link: 2 MiB parts, 3 per chunk, on both.
     for seen in (a, b):
         assert seen["chunk-0-0.bin"] == seen["chunk-0-1.bin"] == 3
-    # Round two: the slow start wants parts far larger than 10 waits (9.6 MB at 32 MB/s);
-    # they stop at 3 MiB, where 2 chunks still give each of the 4 connections a part.
-    assert a["chunk-0-2.bin"] == a["chunk-0-3.bin"] == 2
-    # The prompt link keeps more, smaller parts than the slow start chose.
-    assert b["chunk-0-2.bin"] > a["chunk-0-2.bin"]
-    slow, quick = link_for(slow_start.url), link_for(prompt.url)
-    assert slow.ttfb_s is not None and quick.ttfb_s is not None
-    assert slow.ttfb_s >= 0.3 > quick.ttfb_s  # the proxy's wait is measured as such
+    # Round two used what round one measured: the chunks went out in parts of that size.
+    for seen, part in ((a, part_a), (b, part_b)):
+        assert seen["chunk-0-2.bin"] == seen["chunk-0-3.bin"] == -(-CHUNK // part)
+    # The slow start wants parts far larger than 10 waits (9.6 MB at 32 MB/s): they stop
+    # at 3 MiB, where 2 chunks still give each of the 4 connections a part.
+    assert part_a == 3 * MiB
+    # The prompt link asks less of the first-byte rule, so never larger parts.
+    assert link_for(slow_start.url).ttfb_s >= 0.3 > link_for(prompt.url).ttfb_s
+    assert _wanted(slow_start.url) > _wanted(prompt.url) and part_b <= part_a
     # And straight from loopback: the bytes arrive intact, the estimate is this link's.
     _two_rounds(tmp_path / "c", lt, origin.url, data)
     direct = link_for(origin.url)
-    assert direct.observed >= 6 and direct.ttfb_s is not None and direct.ttfb_s < slow.ttfb_s
+    assert direct.observed >= 6 and _wanted(origin.url) < _wanted(slow_start.url)
 
 
 def test_endpoint_is_the_s3_endpoint_or_the_url_host() -> None:
