@@ -475,6 +475,14 @@ class Reader:
             m.batch = ChunkMap.open(m.path, len(m.mm)) if len(m.mm) else m.mm
         return m.batch, m.view._offsets
 
+    def set_range_budget(self, nbytes: int) -> None:
+        """This epoch's byte budget for range reads, in place of ``first_read_bytes``
+        (the next epoch starts from ``first_read_bytes`` again): the main process that
+        builds several DataLoader workers' first batches reads for all of them, and a
+        worker whose first batch it built reads none."""
+        with self._lock:
+            self._early_left = max(0, int(nbytes))
+
 
 def _coalesce(spans: list[tuple[int, int]], gap: int, most: int) -> list[tuple[int, int]]:
     """Sorted, merged ``[start, end)`` ranges covering ``spans``; spans closer than

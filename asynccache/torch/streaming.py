@@ -36,6 +36,10 @@ _PLAN_BYTES = 56 << 10  # room for the published plan (a few intervals in JSON)
 _STAT_ROWS = 257
 _STAT_FIELDS = ("bytes", "chunks_fetched", "hits", "misses", "retries", "wait_s")
 _STATS_AT = _SLOTS * 8 + 8 + _PLAN_BYTES
+# The most batches CacheDataLoader builds in the main process at an epoch's start (one
+# per worker, each worker's first): the second batch is ready while the workers start;
+# more would delay the first (their items come in one round of range reads).
+_LEAD_BATCHES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +222,7 @@ class StreamingDataset(IterableDataset[Any]):
         # Samples of this epoch the main process handed out itself before its DataLoader
         # workers started (CacheDataLoader's first batch): the workers begin after them.
         self._head = 0
-        self._led = 0  # first batches built in this process (see _lead_batch)
+        self._led = 0  # epochs whose first batches this process built (see _lead)
         self._new_busy()
         # Shared with every DataLoader worker (forked or spawned, persistent or not): the
         # epoch counters and the plan the main process published (see _publish).
@@ -491,6 +495,13 @@ class StreamingDataset(IterableDataset[Any]):
         segments = _drop(p.workers[logical], skip + self._ahead + self._skip)
         order = self._order()
         self._plan_epoch(pr, world, logical)
+        if self._ahead and nw > 1:
+            # The main process built this worker's first batch: its next one is a round of
+            # the other workers' batches away. Its chunks start downloading now, not after
+            # range reads of that batch, which would also take connections and CPU from
+            # the other workers' first batches (docs/streaming.md).
+            self._reader.set_range_budget(0)
+            self.source.send_hint()
         self._yielded = 0
         batch_mode = getattr(self, "_batch_mode", None)  # (a MixedDataset has none)
         if batch_mode is not None:
@@ -592,51 +603,74 @@ class StreamingDataset(IterableDataset[Any]):
         return pool
 
     # -- the first batch, built in the main process (docs/streaming.md) ---------------
-    def _lead(self) -> np.ndarray | None:
+    def _lead(self) -> list[np.ndarray] | None:
         """In the main process, before the DataLoader workers start: the units of the
-        batch this rank receives next, which the workers will then leave out (they start
-        where a loader resumed after that batch starts). None, and the workers start as
-        usual, unless whole batches come from the workers and more than one batch of this
-        rank's epoch is left."""
+        batches this rank receives next (up to ``_LEAD_BATCHES``, each a different
+        logical worker's next batch, in the order the consumer receives them), which the
+        workers will then leave out (they start where a loader resumed after those
+        batches starts). None, and the workers start as usual, unless whole batches come
+        from the workers and more than one batch of this rank's epoch is left. At least
+        one batch is left to the workers; fewer are built here when a worker's batch is
+        short or only fewer can be read without downloading a whole chunk here."""
         self._head = 0
         world = self._world()
         pr, p = self._plan(world)
-        bs = pr.batch_size
-        if self._batch_mode is None or p.rank_samples - pr.received <= bs:
+        bs, nw = pr.batch_size, pr.num_workers
+        left = p.rank_samples - pr.received
+        if self._batch_mode is None or left <= bs:
             self._publish()
             return None
-        # Batch k of the rank comes from logical worker k mod W (see __iter__).
-        logical = (pr.received // bs) % pr.num_workers
-        skip = received_per_worker(p.rank_samples, pr.num_workers, bs, pr.received)[logical]
         order = self._order()
-        keys: list[np.ndarray] = []
-        need = bs
-        for seg in _drop(p.workers[logical], skip):
-            take = min(need, len(seg))
-            keys.append(order.keys(seg.start, seg.start + take))
-            need -= take
-            if not need:
+        runs: list[np.ndarray] = []
+        # At least one batch is left to the workers.
+        for i in range(min(nw, _LEAD_BATCHES, (left - 1) // bs)):
+            # Batch k of the rank comes from logical worker k mod W (see __iter__).
+            logical = (pr.received // bs + i) % nw
+            skip = received_per_worker(p.rank_samples, nw, bs, pr.received + i * bs)[logical]
+            keys: list[np.ndarray] = []
+            need = bs
+            for seg in _drop(p.workers[logical], skip):
+                take = min(need, len(seg))
+                keys.append(order.keys(seg.start, seg.start + take))
+                need -= take
+                if not need:
+                    break
+            if need:  # a short batch: that worker's last, made as usual
                 break
-        run = np.concatenate(keys) if not need else None
-        # Only a batch this process can build without downloading whole chunks: read by
-        # range, or from chunks in the cache (the workers' plans download, evict and
-        # check the budget; a short batch is the epoch's last, made as usual).
-        if run is None or not self._lead_fetches_nothing(run):
+            runs.append(np.concatenate(keys))
+        # Only batches this process can build without downloading whole chunks: read by
+        # range (up to first_read_bytes for each worker it stands in for: one round of
+        # range GETs for all), or from chunks in the cache (the workers' plans download,
+        # evict and check the budget).
+        while runs and not self._lead_fetches_nothing(runs):
+            runs.pop()
+        if not runs:
+            self._reader.set_range_budget(self.source.first_read_bytes)
             self._publish()
             return None
-        self._head = bs
+        self._head = bs * len(runs)
         self._lead_no = self.__dict__.get("_lead_no", 0) + 1
+        self._led += 1
         self._publish()
-        return run
+        return runs
 
-    def _lead_fetches_nothing(self, keys: np.ndarray) -> bool:
-        """Units ``keys`` can be read here without downloading a whole chunk."""
+    def _lead_fetches_nothing(self, runs: list[np.ndarray]) -> bool:
+        """The units of ``runs`` can be read here without downloading a whole chunk
+        (range reads up to ``first_read_bytes`` per run)."""
+        keys = np.concatenate(runs)
         if self._blocks is not None:  # token chunks are not read by range: all cached?
             first, last = self._blocks.chunks_of(keys), self._blocks.last_chunks(keys)
             pairs = zip(first.tolist(), last.tolist(), strict=True)
             chunks = {c for a, b in pairs for c in range(a, b + 1)}
             return all(self.source.landed(c) for c in chunks)
+        self._reader.set_range_budget(self.source.first_read_bytes * len(runs))
         return self._reader.fetches_no_chunk(*self.index.locate_many(keys))
+
+    def _lead_expect(self, runs: list[np.ndarray]) -> None:
+        """Before the first of ``runs`` is built: read every run's items by range in
+        one round (those whose chunks are not cached)."""
+        if self._blocks is None and len(runs) > 1:
+            self._reader.expect(*self.index.locate_many(np.concatenate(runs)))
 
     def _lead_batch(self, keys: np.ndarray) -> Any:
         """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
@@ -645,7 +679,7 @@ class StreamingDataset(IterableDataset[Any]):
         :meth:`_lead_done`."""
         pool = self._batch_pool(batches.MAIN_ROW, here=True)
         self.__dict__["_forms"] = collections.OrderedDict()
-        self._led += 1
+        self._lead_batches = self.__dict__.get("_lead_batches", 0) + 1
         # One intra-op thread, as in a DataLoader worker: collating 64 items on torch's
         # OpenMP pool took 3-20x longer than on one thread on a busy 2-core machine.
         threads = torch.get_num_threads()

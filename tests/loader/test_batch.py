@@ -179,9 +179,11 @@ def test_buffers_are_never_reused_while_held(fixed):
         else:
             assert np.array_equal(h, r["t"].numpy())
     stats = ds.batch_stats()
-    # (+1: the first batch, built in the main process in a buffer of its own)
-    assert stats["pooled_buffers"] == 2 * batches.POOL_SLOTS + 1
-    assert stats["unpooled_buffers"] == len(held) - 1 - 2 * batches.POOL_SLOTS
+    # (+lead: the first batches, built in the main process in buffers of their own)
+    lead = ds._lead_batches
+    assert lead == 2
+    assert stats["pooled_buffers"] == 2 * batches.POOL_SLOTS + lead
+    assert stats["unpooled_buffers"] == len(held) - lead - 2 * batches.POOL_SLOTS
 
 
 def test_dropped_batches_reuse_a_few_shared_buffers(fixed):
@@ -196,8 +198,9 @@ def test_dropped_batches_reuse_a_few_shared_buffers(fixed):
         n += 1
     stats = ds.batch_stats()
     assert n == -(-N // 2) > 2 * batches.POOL_SLOTS >= stats["pooled_buffers"] >= len(seen)
-    # (-1: the first batch's buffer, in the main process, where it was built: not sent)
-    assert stats["sent_buffers"] == stats["pooled_buffers"] - 1
+    # (-2: the first batches' buffers, in the main process, where they were built: not sent)
+    assert ds._lead_batches == 2
+    assert stats["sent_buffers"] == stats["pooled_buffers"] - 2
     assert stats["unpooled_buffers"] == 0
     # In the main process (no workers): two buffers (the loop variable holds the previous
     # batch while the next is assembled), reused as each batch is dropped.

@@ -1,0 +1,83 @@
+"""The first batches of an epoch built in the main process, one per worker it stands in for.
+
+``CacheDataLoader`` builds the first two batches of a streamed epoch itself (each the first
+batch of a different DataLoader worker), their items read by range in one round, and the
+workers start after them. A worker whose first batch was built there reads nothing by
+range: its chunks start downloading at once. A worker whose first batch was not (a third
+worker) reads its first batch by range as before. Bit-for-bit equality with the plain run
+and resume are in ``test_first_batch_here.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynccache import CacheDataLoader, StreamingDataset
+from asynccache.config import Settings
+from asynccache.format.chunk import items_start
+from asynccache.testing.faults import FaultProxy
+from asynccache.writer import ChunkWriter, merge_dir
+from tests.remote_data import upload_dataset
+
+pytestmark = pytest.mark.timeout(120)
+
+N, PER_CHUNK, ITEM = 64, 16, 80 << 10  # chunks of 1.25 MiB: range reads start at 1 MiB
+BS = 4
+
+
+def _item(i: int) -> dict[str, Any]:
+    return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
+    src = tmp_path_factory.mktemp("lead2") / "src"
+    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
+    for i in range(N):
+        w.add(i, _item(i))
+    w.finish()
+    merge_dir(str(src), [0])
+    bucket = f"lead2-{uuid.uuid4().hex[:12]}"
+    objstore.create_bucket(bucket)
+    yield upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
+    with contextlib.suppress(Exception):
+        objstore.delete_bucket(bucket)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(
+    remote, objstore, tmp_path, workers
+):
+    header = f"bytes=0-{items_start(PER_CHUNK) - 1}"  # a chunk's header, read by range
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        settings = Settings.from_env(progress=False)
+        ds = StreamingDataset(
+            remote, cache_dir=tmp_path / "c", storage_options=options, settings=settings
+        )
+        got = [
+            {k: v.clone() for k, v in b.items()}
+            for b in CacheDataLoader(ds, batch_size=BS, num_workers=workers)
+        ]
+        heads = [r.path for r in proxy.requests if r.method == "GET" and r.range == header]
+    assert ds._led == 1 and ds._lead_batches == 2  # the first two batches, built here
+    assert sorted(i for b in got for i in b["i"].tolist()) == list(range(N))
+    for b in got[:2]:
+        for k, row in zip(b["i"].tolist(), b["x"], strict=True):
+            assert np.array_equal(row.numpy(), _item(k)["x"])
+    # Every worker's first batch is one of the first `workers` batches (round robin). The
+    # main process read the headers of the chunks of the two it built, in one round; a
+    # worker whose first batch it built read none (before, the worker of the first batch
+    # read its second batch by range too, fetching its chunk's header a second time); a
+    # third worker read its own first batch by range.
+    firsts = {i // PER_CHUNK for b in got[:workers] for i in b["i"].tolist()}
+    assert ds.source.stats.range_gets > 0 and ds._reader.unchecked_ranges == 0
+    per_chunk = collections.Counter(heads)
+    assert len(per_chunk) == len(firsts) and max(per_chunk.values()) == 1, per_chunk
+    ds.close()
