@@ -7,9 +7,7 @@ chunk lands, and logs every request so the range GETs can be counted.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import uuid
 
 import numpy as np
 import pytest
@@ -21,8 +19,7 @@ from asynccache.format import ChunkView, checksum
 from asynccache.format.chunk import items_start
 from asynccache.testing.faults import Fault, FaultProxy
 from asynccache.torch.streaming import StreamingDataset
-from asynccache.writer import ChunkWriter, merge_dir
-from tests.remote_data import upload_dataset
+from tests.helpers import noise_item, uploaded, write_noise_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,27 +28,18 @@ EARLY = 10 * ITEM  # the range-read budget: about 9 items of the first chunk
 
 
 def _item(i: int) -> dict:
-    return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
+    return noise_item(i, ITEM)
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    src = tmp_path_factory.mktemp("first") / "src"
-    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
-    for i in range(N):
-        w.add(i, _item(i))
-    w.finish()
-    merge_dir(str(src), [0])
-    return src
+    return write_noise_dataset(tmp_path_factory.mktemp("first") / "src", N, PER_CHUNK, ITEM)
 
 
 @pytest.fixture(scope="module")
 def remote(written, objstore):
-    bucket = f"first-{uuid.uuid4().hex[:12]}"
-    objstore.create_bucket(bucket)
-    yield upload_dataset(written, f"s3://{bucket}/ds", objstore.storage_options)
-    with contextlib.suppress(Exception):
-        objstore.delete_bucket(bucket)
+    with uploaded(written, objstore, "first") as url:
+        yield url
 
 
 def _first_chunk(src) -> tuple[str, int, int]:

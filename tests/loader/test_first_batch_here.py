@@ -9,10 +9,8 @@ every stop, resumed anywhere; range-read items compared with their chunks.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,8 @@ from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset
 from asynccache.config import Settings
 from asynccache.format import ChunkView
 from asynccache.testing.faults import Fault, FaultProxy
-from asynccache.writer import ChunkWriter, merge_dir
+from tests.helpers import noise_item, uploaded, write_noise_dataset
 from tests.loader.test_batch import Fixed, same, write
-from tests.remote_data import upload_dataset
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +37,7 @@ BS = 4
 
 
 def _item(i: int) -> dict[str, Any]:
-    return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
+    return noise_item(i, ITEM)
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +47,13 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src = tmp_path_factory.mktemp("lead") / "src"
-    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
-    for i in range(N):
-        w.add(i, _item(i))
-    w.finish()
-    merge_dir(str(src), [0])
-    return src
+    return write_noise_dataset(tmp_path_factory.mktemp("lead") / "src", N, PER_CHUNK, ITEM)
 
 
 @pytest.fixture(scope="module")
 def remote(written: Path, objstore: Any) -> Any:
-    bucket = f"lead-{uuid.uuid4().hex[:12]}"
-    objstore.create_bucket(bucket)
-    yield upload_dataset(written, f"s3://{bucket}/ds", objstore.storage_options)
-    with contextlib.suppress(Exception):
-        objstore.delete_bucket(bucket)
+    with uploaded(written, objstore, "lead") as url:
+        yield url
 
 
 def _chunk(src: Path, k: int) -> tuple[str, int, int]:
