@@ -385,6 +385,11 @@ class ReadPlan:
         # The chunk it started last comes first: it is asked for right after this hint,
         # and a hint whose first chunks leave it out would cancel its prefetch.
         first = [self._chunks[self._at]] if self._at is not None else []
+        if self._at is None:
+            # Before its first chunk, the position inside runs (its first positions handed
+            # out before it started, or a resumed reader): those chunks are read first,
+            # so they are hinted first, not fetched behind the prefetches of later ones.
+            first = [self._chunks[i] for i in range(self._next) if self._ends[i] > self.pos]
         out = dict.fromkeys(first + [self._chunks[i] for i in self._pending])
         i = self._next
         while i < len(self._chunks) and len(out) < count:

@@ -121,7 +121,7 @@ class Downloader:
         self._link = link_for(endpoint_of(storage))  # measured by every part (link.py)
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
-        self._parts: dict[str, int] = {}  # the parts of each download in flight (see _pump)
+        self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
         self._all = ProgressClock()  # moves with any download of this downloader
         self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
         self.stall_s = settings.timeout_s + settings.backoff_max_s + _STALL_SLACK_S
@@ -450,6 +450,10 @@ class Downloader:
             )
             for start, end in parts
         )
+        if key in self._parts:
+            # Landed: its verify and publish (the fsync) overlap the next downloads.
+            self._parts[key] = 0
+            self._pump()
         return _Hashed(hasher, parts[0][1]) if hasher is not None else None
 
     # -- prefetch ------------------------------------------------------------------------
@@ -540,10 +544,12 @@ class Downloader:
 
         Once every such download holds slots with none of its parts queueing for one,
         the free slots are ones it cannot use: on a link whose connections are each
-        slow (the cloud), prefetches may fill them without taking its bandwidth.
+        slow (the cloud), prefetches may fill them without taking its bandwidth. Nor
+        does one whose parts have all landed (it is being verified and published: the
+        fsync can take as long as the download on a busy disk, and the link would idle).
         """
         for name in self._inflight:
-            if self._waiters.get(name):
+            if self._waiters.get(name) and self._parts.get(name) != 0:  # 0: all landed
                 clock = self._clocks.get(name)
                 if clock is None or clock.queued or not clock.held:
                     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -265,3 +266,55 @@ def test_a_demand_just_after_its_prefetch_was_dropped_gets_the_chunk(tmp_path, l
 
     path = lt.call(drop_then_demand(), 10)
     assert _read(path) == objects["c0.bin"]
+
+
+class _Traced(DictStorage):
+    """Records when each ranged read starts and sends its last piece; one read, ``hold``
+    (key, start), sends its last piece only once ``release`` is set."""
+
+    def __init__(self, objects: dict[str, bytes], hold: tuple[str, int]) -> None:
+        super().__init__(objects)
+        self.hold = hold
+        self.release = threading.Event()
+        self.events: list[tuple[str, str, int]] = []
+
+    async def _iter_range_impl(self, key: str, start: int, end: int | None):  # type: ignore[override]
+        self.events.append(("start", key, start))
+        data = self.objects[key][start:end]
+        for i in range(0, len(data), self.piece):
+            await asyncio.sleep(0.001)  # parts in flight take turns, as on a link
+            if i + self.piece >= len(data):
+                if (key, start) == self.hold:
+                    await asyncio.to_thread(self.release.wait, 20)  # bounded
+                self.events.append(("end", key, start))
+            yield data[i : i + self.piece]
+
+
+def test_the_window_starts_a_chunk_when_its_parts_fit_beside_those_in_flight(tmp_path, lt) -> None:
+    """Chunks of 4 parts, 8 connections, 4 chunks hinted: two download at once, and the
+    next starts only when every part of one has landed, so chunks land in the order they
+    are read. Before, every chunk of the window started at once, each slot a part freed
+    went to a later chunk, and the chunks landed together (docs/cache.md, "Where a cold
+    epoch's time goes")."""
+    size, part = 4 << 20, 1 << 20
+    objects = _objects(4, size)
+    storage = _Traced(objects, hold=("c0.bin", 3 * part))  # c0's last part lands last
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 30)
+    settings = _settings(tmp_path, part_bytes=part, max_concurrency=8, prefetch_chunks=4)
+    dl = Downloader(storage, store, settings, loop_thread=lt)
+    dl.hint([ChunkSpec(n, size) for n in objects])
+    try:
+        _wait(lambda: store.is_cached("c3.bin"))  # c1, then c2, then c3, c0 still held
+        starts = {
+            k: i for i, (what, k, s) in reversed(list(enumerate(storage.events))) if what == "start"
+        }
+        last_end = {k: i for i, (what, k, s) in enumerate(storage.events) if what == "end"}
+        assert starts["c0.bin"] < starts["c2.bin"] and starts["c1.bin"] < starts["c2.bin"]
+        assert starts["c2.bin"] > last_end["c1.bin"], "c2 started before c1 had landed"
+        assert starts["c3.bin"] > last_end["c2.bin"], "c3 started before c2 had landed"
+        assert not store.is_cached("c0.bin") and dl.in_flight("c0.bin")  # the hold fired
+    finally:
+        storage.release.set()
+    _wait(lambda: store.is_cached("c0.bin"))
+    for name, data in objects.items():
+        assert _read(str(store.path(name))) == data
