@@ -417,6 +417,7 @@ class MixedDataset(StreamingDataset):
     def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
         """The batch of slots ``keys``: each stream copies its rows from its mapped chunks
         into the rows of one buffer; collated from the items when their leaves differ."""
+        row = pool.row  # counted on the row this process holds, not the one it preferred
         # The batch loop counts the slots it yields; a mix counts samples (as its
         # per-item path does, and as state_dict expects).
         self._yielded += (self.unit - 1) * len(keys)

@@ -717,6 +717,7 @@ class StreamingDataset(IterableDataset[Any]):
     def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
         """The batch of units ``keys``: assembled into one buffer when their leaves fit,
         else the items read one by one and collated by ``default_collate``."""
+        row = pool.row  # counted on the row this process holds, not the one it preferred
         n = len(keys)
         if self._blocks is not None:
             tb = self._blocks
