@@ -305,7 +305,7 @@ def _estimate(endpoint: str, base: Settings, chunk_bytes: int) -> str:
     a chunk of ``chunk_bytes`` with ``PREFETCH_CHUNKS`` chunks ahead (an epoch's steady
     state; prefetch() has more ahead, the start and end of an epoch fewer)."""
     link = link_for(endpoint.rstrip("/"))  # as S3Storage.endpoint spells it
-    part = part_bytes_for(base, link, chunk_bytes, base.prefetch_chunks)
+    part = part_bytes_for(base, link, chunk_bytes * max(base.prefetch_chunks, 1))
     return f"{link!r}, part {part / 2**20:.0f} MiB"
 
 

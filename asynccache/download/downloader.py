@@ -119,6 +119,7 @@ class Downloader:
         self._range_gate = PriorityGate(settings.max_concurrency)
         self._verify_local = verify_local
         self._link = link_for(endpoint_of(storage))  # measured by every part (link.py)
+        self._sizes: dict[str, int] = {}  # of the chunks downloading (see _bytes_ahead)
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
@@ -356,6 +357,7 @@ class Downloader:
             del self._inflight[name]
             self._clocks.pop(name, None)
             self._parts.pop(name, None)
+            self._sizes.pop(name, None)
         self._hinted.discard(name)
         if not task.cancelled() and isinstance(task.exception(), Deferred):
             self.stats.deferred += 1
@@ -426,7 +428,7 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        part = part_bytes_for(self.settings, self._link, size, self._chunks_ahead())
+        part = part_bytes_for(self.settings, self._link, self._bytes_ahead(key, size))
         parts = split_parts(size, part)
         if key in self._parts:
             self._parts[key] = len(parts)
@@ -477,10 +479,16 @@ class Downloader:
     def _window(self) -> list[ChunkSpec]:
         return self._queue[: self.settings.prefetch_chunks]
 
-    def _chunks_ahead(self) -> int:
-        """Chunks downloading now, and those of the prefetch window not started yet: what
-        the part size must fill the connections with (see link.py)."""
-        return len(self._inflight) + sum(1 for s in self._window() if s.name not in self._inflight)
+    def _bytes_ahead(self, name: str, size: int) -> int:
+        """Bytes of chunk ``name`` (``size``), of the other chunks downloading now, and of
+        those of the prefetch window not started and not cached yet: what the part size
+        must fill the connections with (see link.py)."""
+        self._sizes[name] = size  # forgotten in _done
+        ahead = size + sum(self._sizes.get(n, size) for n in self._inflight if n != name)
+        for s in self._window():
+            if s.name not in self._inflight and not self.store.is_cached(s.name, s.size):
+                ahead += s.size or size
+        return ahead
 
     def _defer(self) -> None:
         """Start no prefetch until the reader asks for a chunk or the retry time passes."""
