@@ -128,20 +128,22 @@ def _bare(served: Served, endpoint: str, parts: list[limits.Part], c: int) -> fl
 
 def _prefetch(
     served: Served, endpoint: str, settings: Settings, cache: Path, proxy: ProxyProcess | None
-) -> tuple[float, float]:
-    """(seconds, start-up seconds: call to the first chunk GET; nan without a proxy)."""
+) -> tuple[float, float, dict[str, float]]:
+    """(seconds, start-up seconds: call to the first chunk GET, nan without a proxy; the
+    chunk GETs' timeline, see :func:`_timeline`, empty without a proxy)."""
     shutil.rmtree(cache, ignore_errors=True)
     seen = len(proxy.log()) if proxy else 0
     t0 = time.monotonic()
     stats = prefetch(served.url, cache, _options(served, endpoint), settings=settings)
     seconds = time.monotonic() - t0
     assert stats.bytes >= served.payload, (stats.bytes, served.payload)  # + index.json
-    startup = float("nan")
+    startup, timeline = float("nan"), {}
     if proxy is not None:
-        gets = [at for m, p, at, _ in proxy.log()[seen:] if m == "GET" and p.endswith(".bin")]
-        startup = min(gets) - t0
+        log = proxy.log()[seen:]
+        startup = min(at for m, p, at, _ in log if m == "GET" and p.endswith(".bin")) - t0
+        timeline = _timeline(log, t0, t0 + seconds, settings.max_concurrency)
     shutil.rmtree(cache, ignore_errors=True)
-    return seconds, startup
+    return seconds, startup, timeline
 
 
 def _epoch(
@@ -284,7 +286,9 @@ def _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch) -
         link.bare_prefetch.append(_bare(served, endpoint, served.parts, c_pre))
         link.one_part.append(_bare(served, endpoint, one, 1))
         for name, settings in configs.items():
-            s, up = _prefetch(served, endpoint, settings, work / "cache", via)
+            s, up, tl = _prefetch(served, endpoint, settings, work / "cache", via)
+            if tl:
+                link.timeline.setdefault(f"prefetch[{name}]", []).append(tl)
             link.prefetch.setdefault(name, []).append(s)
             link.startup.setdefault(name, []).append(up)
         if args.skip_epoch:
@@ -297,7 +301,7 @@ def _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch) -
             link.epoch.setdefault(name, []).append(s)
             link.first.setdefault(name, []).append(first)
             if tl:
-                link.timeline.setdefault(name, []).append(tl)
+                link.timeline.setdefault(f"epoch[{name}]", []).append(tl)
 
 
 def _estimate(endpoint: str, base: Settings, chunk_bytes: int) -> str:
@@ -326,7 +330,7 @@ def _summary(link: Link) -> str:
     for name, tls in link.timeline.items():
         keys = tls[0].keys()
         cells = ", ".join(f"{k} {statistics.median(t[k] for t in tls):.2f}" for k in keys)
-        out.append(f"\n  epoch[{name}] GETs: {cells}")
+        out.append(f"\n  {name} GETs: {cells}")
     out.append(f"\n  estimate: {link.estimate}")
     return " ".join(out) + f"; load {limits.loadavg()}"
 
