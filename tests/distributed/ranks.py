@@ -14,8 +14,11 @@ from asynccache import CacheDataLoader, StreamingDataset
 
 
 def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
-    """Stream ``cfg["url"]``; write what this rank received per epoch to ``cfg["out"]``."""
-    if multiprocessing.get_start_method() == "forkserver":
+    """Stream ``cfg["url"]``; write what this rank received per epoch to ``cfg["out"]``.
+
+    ``cfg["workers_start"]``: how the DataLoader workers start (``"fork"``; default: as the
+    rank's own default start method, which is how the rank itself was started)."""
+    if cfg.get("workers_start") is None and multiprocessing.get_start_method() == "forkserver":
         # A rank started by a fork server starts its DataLoader workers the same way:
         # from its own fork server, which then imports torch once, not once per worker.
         multiprocessing.set_forkserver_preload(["tests.distributed.ranks"])
@@ -35,6 +38,7 @@ def rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             batch_size=cfg["batch_size"],
             num_workers=2,
             persistent_workers=cfg.get("persistent", False),
+            multiprocessing_context=cfg.get("workers_start"),
         )
         if cfg.get("resume_from"):
             with open(cfg["resume_from"], "rb") as f:

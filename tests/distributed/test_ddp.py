@@ -81,7 +81,13 @@ def config(remote, tmp_path, name, **kw):
 def warm_launch(world: int, cfg: dict) -> list[list[dict]]:
     """:func:`launch` with ranks forked from optimize's fork server, which preloads
     torch.distributed and the rank module: a rank starts in a fraction of a spawn's time.
-    (The elastic test's first group still starts with spawn.)"""
+    (The elastic test's first group still starts with spawn.)
+
+    The ranks' DataLoader workers start as the ranks' default (a fork server of each rank's
+    own, which imports torch once per rank) unless the config names ``workers_start``:
+    the tests start workers each way once, spawn (the elastic test's spawned group), a
+    rank's fork server (the first launch of each world size) and fork (the reruns and the
+    resumed group, which so skip that import)."""
     pool_context().set_forkserver_preload([*_PRELOAD, "tests.distributed.ranks"])
     return launch(world, cfg, start_method="forkserver")
 
@@ -103,14 +109,18 @@ def test_every_sample_once_per_epoch_equal_ranks_reproducible(remote, tmp_path, 
     assert first[0][0]["keys"] != first[0][1]["keys"], "epochs differ"
     # every rank and worker mapped the index's columns from the node's one cached copy
     assert len(glob.glob(str(tmp_path / "cache" / "*" / "index-*.cols"))) == 1
-    again = warm_launch(world, config(remote, tmp_path, "b", persistent=persistent))
-    assert again == first, "identical on rerun"
+    again = warm_launch(
+        world, config(remote, tmp_path, "b", persistent=persistent, workers_start="fork")
+    )
+    assert again == first, "identical on rerun (workers forked this time, not fork-served)"
 
 
 def test_elastic_resume_from_two_ranks_to_three(remote, tmp_path):
     state = str(tmp_path / "state.pkl")
     pre = launch(2, config(remote, tmp_path, "pre", epochs=1, stop_after=5, state_path=state))
-    post = warm_launch(3, config(remote, tmp_path, "post", epochs=2, resume_from=state))
+    post = warm_launch(
+        3, config(remote, tmp_path, "post", epochs=2, resume_from=state, workers_start="fork")
+    )
     before = [k for r in pre for k in r[0]["keys"]]
     after = [k for r in post for k in r[0]["keys"]]
     assert len(before) == 2 * 5 * B
