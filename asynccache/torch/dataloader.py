@@ -576,14 +576,9 @@ class CacheDataLoader(DataLoader[Any]):
         return _lazy(loader)
 
     def _leads(self, ds: StreamingDataset) -> bool:
-        """This epoch's first batch is built here while the new workers start (whole
-        batches from the workers of a StreamingDataset, not a mix; docs/streaming.md)."""
-        return (
-            self.num_workers > 0
-            and self.batch_fallback is None
-            and ds.settings.first_batch_here
-            and type(ds) is StreamingDataset
-        )
+        """This epoch's first batches are built here while the new workers start (whole
+        batches from the workers of a StreamingDataset or a mix; docs/streaming.md)."""
+        return self.num_workers > 0 and self.batch_fallback is None and ds.settings.first_batch_here
 
     def _batch_fallback(self, ds: StreamingDataset) -> str | None:
         """Why the streamed epochs collate items in the loader rather than take whole

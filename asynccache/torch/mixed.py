@@ -249,6 +249,8 @@ class MixedDataset(StreamingDataset):
         self._stats_pid = -1
         self._stats_base = np.zeros(len(_STAT_FIELDS))
         self._batch_mode: bool | None = None
+        self._head = 0  # samples handed out by the main process ahead of the workers
+        self._led = 0  # epochs whose first batches this process built
         self._new_busy()
         self._publish()
 
@@ -548,16 +550,50 @@ class MixedDataset(StreamingDataset):
     def _hint(self, *args: Any) -> None:
         """Each stream's source follows the node's plan for it."""
 
+    # -- the first batches, built in the main process (docs/streaming.md) --------------
+    def _lead_fetches_nothing(self, runs: list[np.ndarray]) -> bool:
+        """The slots of ``runs`` read only chunks in the cache (a mix's first batches are
+        built here from cached chunks only: its streams' items are not read by range)."""
+        streams, keys = self._locate(np.concatenate(runs))[:2]
+        for s, st in enumerate(self.streams):
+            k = keys[streams == s]
+            if not len(k):
+                continue
+            if st._blocks is not None:
+                first, last = st._blocks.chunks_of(k), st._blocks.last_chunks(k)
+                pairs = zip(first.tolist(), last.tolist(), strict=True)
+                chunks = {c for a, b in pairs for c in range(a, b + 1)}
+            else:
+                chunks = set(st.index.locate_many(k)[0].tolist())
+            if not all(st.source.landed(c) for c in chunks):
+                return False
+        return True
+
+    def _lead_expect(self, runs: list[np.ndarray]) -> None:
+        """Nothing to read ahead: the batches come from cached chunks."""
+
+    def _lead_batch(self, keys: np.ndarray) -> Any:
+        try:
+            return super()._lead_batch(keys)
+        finally:
+            self._reader.close()  # no stream keeps a chunk mapped or pinned here
+
+    def _skip_range_reads(self) -> None:
+        for st in self.streams:
+            st._skip_range_reads()
+
     def _plan_epoch(self, pr: _Progress, world: distributed.World, logical: int) -> None:
         if not self.source.remote:
             return
         mix = self._mix(pr.epoch)
         skipped = np.zeros(len(self.streams), dtype=np.int64)
-        if self._skip:
+        # Positions of its part this reader skips: its own resume, and the batches the
+        # main process built before the workers started (see StreamingDataset.__iter__).
+        left = self._skip + self.__dict__.get("_ahead", 0)
+        if left:
             p = self._plan(world)[1]
             got = received_per_worker(p.rank_samples, pr.num_workers, pr.batch_size, pr.received)
             segs = _drop(p.workers[logical], got[logical])
-            left = self._skip
             for seg in segs:
                 take = min(left, len(seg))
                 for s, ranges in enumerate(mix.project([(seg.start, seg.start + take)])):

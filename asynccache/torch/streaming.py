@@ -500,8 +500,7 @@ class StreamingDataset(IterableDataset[Any]):
             # the other workers' batches away. Its chunks start downloading now, not after
             # range reads of that batch, which would also take connections and CPU from
             # the other workers' first batches (docs/streaming.md).
-            self._reader.set_range_budget(0)
-            self.source.send_hint()
+            self._skip_range_reads()
         self._yielded = 0
         batch_mode = getattr(self, "_batch_mode", None)  # (a MixedDataset has none)
         if batch_mode is not None:
@@ -645,7 +644,6 @@ class StreamingDataset(IterableDataset[Any]):
         while runs and not self._lead_fetches_nothing(runs):
             runs.pop()
         if not runs:
-            self._reader.set_range_budget(self.source.first_read_bytes)
             self._publish()
             return None
         self._head = bs * len(runs)
@@ -664,7 +662,16 @@ class StreamingDataset(IterableDataset[Any]):
             chunks = {c for a, b in pairs for c in range(a, b + 1)}
             return all(self.source.landed(c) for c in chunks)
         self._reader.set_range_budget(self.source.first_read_bytes * len(runs))
-        return self._reader.fetches_no_chunk(*self.index.locate_many(keys))
+        if self._reader.fetches_no_chunk(*self.index.locate_many(keys)):
+            return True
+        self._reader.set_range_budget(self.source.first_read_bytes)
+        return False
+
+    def _skip_range_reads(self) -> None:
+        """In a worker whose first batch the main process built: read nothing by range
+        this epoch, and send the epoch plan's prefetch hint now."""
+        self._reader.set_range_budget(0)
+        self.source.send_hint()
 
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Before the first of ``runs`` is built: read every run's items by range in

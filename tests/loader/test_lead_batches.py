@@ -4,8 +4,9 @@
 batch of a different DataLoader worker), their items read by range in one round, and the
 workers start after them. A worker whose first batch was built there reads nothing by
 range: its chunks start downloading at once. A worker whose first batch was not (a third
-worker) reads its first batch by range as before. Bit-for-bit equality with the plain run
-and resume are in ``test_first_batch_here.py``.
+worker) reads its first batch by range as before. A mix's first batches are built there
+too, from cached chunks. Bit-for-bit equality with the plain run and resume of one dataset
+are in ``test_first_batch_here.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from asynccache.config import Settings
 from asynccache.format.chunk import items_start
 from asynccache.testing.faults import FaultProxy
 from asynccache.writer import ChunkWriter, merge_dir
+from tests.loader.mix_data import mix, pairs, write_streams
 from tests.remote_data import upload_dataset
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,3 +83,34 @@ def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(
     per_chunk = collections.Counter(heads)
     assert len(per_chunk) == len(firsts) and max(per_chunk.values()) == 1, per_chunk
     ds.close()
+
+
+# -- a mix: its first batches built here from cached chunks ------------------------------
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_streams(str(tmp_path_factory.mktemp("mixlead")))
+
+
+def test_a_mix_s_first_batches_built_here_are_the_plain_runs(streams):
+    """A mix's first batches, built in the main process from cached chunks: the batches,
+    the state after the first and its resumed continuation are the plain run's."""
+    runs, mode = {}, "stratified"
+    for here in (True, False):
+        kw = {"stream_kw": {"settings": Settings.from_env(progress=False, first_batch_here=here)}}
+        ds = mix(streams, mode, batch_size=8, **kw)
+        dl = CacheDataLoader(ds, batch_size=8, num_workers=2)
+        it = iter(dl)
+        first = [next(it)]
+        state = dl.state_dict()
+        del it
+        again_ds = mix(streams, mode, batch_size=8, **kw)
+        again = CacheDataLoader(again_ds, batch_size=8, num_workers=2)
+        again.load_state_dict(state)
+        rest = list(again)
+        runs[here] = (pairs(first), pairs(rest), state, ds, again_ds, dl.batch_fallback)
+    (f, r, state, ds, again_ds, fallback), (pf, pr, pstate, plain, _, _) = runs[True], runs[False]
+    assert fallback is None  # whole batches from the workers
+    assert ds._led == 1 and again_ds._led == 1 and plain._led == 0
+    assert ds._lead_batches >= 1 and again_ds._lead_batches == 2
+    assert f == pf and state == pstate and r == pr
+    assert len(f) + len(r) == sum(ds.stream_counts)
