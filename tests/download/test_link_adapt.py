@@ -221,10 +221,10 @@ def _wanted(url: str) -> float:
 def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
     src, data = chunks
     origin = http_origin(src)
-    # A slow start (300 ms to the first byte) on fast connections, and a prompt link of
+    # A slow start (150 ms to the first byte) on fast connections, and a prompt link of
     # slow connections (16 MB/s each), each behind a proxy of its own (its own endpoint).
     with (
-        FaultProxy(origin.url, latency_s=0.3, conn_bytes_per_s=32_000_000) as slow_start,
+        FaultProxy(origin.url, latency_s=0.15, conn_bytes_per_s=64_000_000) as slow_start,
         FaultProxy(origin.url, conn_bytes_per_s=16_000_000) as prompt,
     ):
         part_a = _two_rounds(tmp_path / "a", lt, slow_start.url, data)
@@ -238,11 +238,11 @@ def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
     # Round two used what round one measured: the chunks went out in parts of that size.
     for seen, part in ((a, part_a), (b, part_b)):
         assert seen["chunk-0-2.bin"] == seen["chunk-0-3.bin"] == -(-CHUNK // part)
-    # The slow start wants parts of 10 waits (9.6 MB at 32 MB/s): they stop at 3 MiB,
+    # The slow start wants parts of 10 waits (96 MB at 64 MB/s): they stop at 3 MiB,
     # where the 2 chunks ahead still make twice as many parts as the 2 connections.
     assert part_a == 3 * MiB
     # The prompt link asks less of the first-byte rule, so never larger parts.
-    assert link_for(slow_start.url).ttfb_s >= 0.3 > link_for(prompt.url).ttfb_s
+    assert link_for(slow_start.url).ttfb_s >= 0.15 > link_for(prompt.url).ttfb_s
     assert _wanted(slow_start.url) > _wanted(prompt.url) and part_b <= part_a
     # And straight from loopback: the bytes arrive intact, the estimate is this link's.
     _two_rounds(tmp_path / "c", lt, origin.url, data)
