@@ -1,9 +1,13 @@
 """A dataset that fills its own Cache on the first pass, trained on 2 processes (gloo, CPU).
 
-    python examples/image_dataset.py [--cache-dir ./cache-images]
+    python examples/image_dataset.py [--cache-dir ./cache-images] [--workers-start forkserver]
 
 Epoch 1 decodes the in-memory images and writes them into the cache; epoch 2 reads them
 back from the chunk files. Each process (rank) sees half of the dataset per epoch.
+
+The DataLoader workers of a rank started by ``mp.spawn`` are spawned too, each importing
+torch again, twice per epoch. ``--workers-start forkserver`` starts them from a fork server
+per rank that imports torch once (``fork`` would fork the rank itself).
 """
 
 import argparse
@@ -48,11 +52,19 @@ class BoringImageDataset(Dataset):
         return image, data["class"], index
 
 
-def run(rank, world_size, port, cache_dir):
+def run(rank, world_size, port, cache_dir, workers_start=None):
+    if workers_start == "forkserver":
+        # imported once by the fork server; the workers it forks find them loaded
+        mp.set_forkserver_preload(["torch", "numpy", "PIL.Image", "asynccache.torch.cache"])
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    dataloader = CacheDataLoader(BoringImageDataset(cache_dir), num_workers=2, batch_size=4)
+    dataloader = CacheDataLoader(
+        BoringImageDataset(cache_dir),
+        num_workers=2,
+        batch_size=4,
+        multiprocessing_context=workers_start,  # None: as the rank was started (spawn)
+    )
     sums = []
     for epoch in range(2):
         seen, total = [], 0.0
@@ -81,5 +93,6 @@ def free_port():
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache-dir", default="./cache-images")
+    parser.add_argument("--workers-start", choices=["spawn", "forkserver", "fork"])
     args = parser.parse_args()
-    mp.spawn(run, args=(2, free_port(), args.cache_dir), nprocs=2)
+    mp.spawn(run, args=(2, free_port(), args.cache_dir, args.workers_start), nprocs=2)

@@ -172,12 +172,16 @@ def test_missing_cache_dir_is_a_config_error():
 
 @pytest.mark.timeout(240)
 def test_advanced_example_with_two_spawned_processes(tmp_path):
+    # The spawned ranks' workers start from a fork server per rank (torch imported once per
+    # rank, not by each worker of each epoch); they still unpickle the dataset and its Cache.
     out = subprocess.run(
         [
             sys.executable,
             os.path.join(ROOT, "examples", "image_dataset.py"),
             "--cache-dir",
             str(tmp_path / "c"),
+            "--workers-start",
+            "forkserver",
         ],
         capture_output=True,
         text=True,
