@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from .. import forksafe
 from ..config import Settings
+from ..errors import ConfigError
 
 __all__ = [
     "FIRST_BYTE_SHARE",
@@ -40,7 +41,7 @@ __all__ = [
 #: each connection at most 1/(1 + FIRST_BYTE_SHARE) of its time.
 FIRST_BYTE_SHARE = 10
 
-_SAMPLES = 16  # the estimate is the median of this many latest samples
+_SAMPLES = 16  # the estimate is taken over this many latest samples
 _MIN_RATE_BYTES = 256 << 10  # bodies shorter than this say little about the rate
 _ALIGN = 1 << 20  # part sizes are whole MiB (tidier ranges; the hash needs no alignment)
 
@@ -55,7 +56,7 @@ class PartBounds:
 
     def __post_init__(self) -> None:
         if not 0 < self.lo <= self.hi or self.align <= 0:
-            raise ValueError(f"bad part bounds: {self}")
+            raise ConfigError(f"part bounds must have 0 < lo <= hi and align > 0: {self}")
 
 
 def choose_part_bytes(

@@ -116,6 +116,11 @@ def test_choice_grows_with_the_wait_and_rate_and_shrinks_with_concurrency(
     assert part(ttfb, rate, conc * 2) <= base
 
 
+def test_bad_part_bounds_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="part bounds"):
+        PartBounds(lo=4 * MiB, hi=2 * MiB)
+
+
 def test_estimate_shrugs_off_stalls_and_forgets_old_samples() -> None:
     link = LinkEstimate("http://example")
     assert link.ttfb_s is None and link.bytes_per_s is None
