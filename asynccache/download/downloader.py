@@ -81,7 +81,10 @@ class Downloader:
         * All state changes happen on the I/O thread; other threads only submit work.
         * The prefetch window is the first ``settings.prefetch_chunks`` hinted chunks the
           reader has not asked for yet; hinted downloads that leave the window with no
-          caller waiting on them are cancelled.
+          caller waiting on them are cancelled. Its chunks start in order, each once its
+          parts fit in ``max_concurrency`` beside the parts still to land of the
+          downloads in flight (or when none are left to land), so they land in the
+          order they are read.
         * A prefetch the store defers (the node's prefetch room is full, see
           :mod:`asynccache.cache.plan`) fetches nothing; no new prefetch starts until the
           reader asks for a chunk or ``_DEFER_RETRY_S`` passes. A caller that asks for a
@@ -536,7 +539,7 @@ class Downloader:
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue
             need = self._part_count(spec.size)
-            if self._inflight and busy + need > self.settings.max_concurrency:
+            if busy and busy + need > self.settings.max_concurrency:
                 break  # the later ones wait too: chunks land in the order they are read
             self._hinted.add(spec.name)
             self._start(spec)
