@@ -17,6 +17,7 @@ the run, each named with the test during which it appeared.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import ssl
@@ -30,6 +31,23 @@ import pytest
 
 from asynccache.testing import ObjectStore, StaticHTTPServer
 
+# What the run's one fork server imports before it forks anything. multiprocessing keeps one
+# fork server per process, started by the first test that needs one with the preload list
+# of that moment; later lists are ignored. The gloo tests fork their ranks from it and name
+# their rank modules (torch.distributed) for it, but in a whole run a test of another area
+# starts it first, and each rank imported torch itself (test_ddp: 2-4x slower). Set once,
+# before any test: optimize's pool preload and the modules those ranks run.
+_FORKSERVER_PRELOAD = [
+    "__main__",
+    "asynccache.optimize.api",
+    "torch.distributed",
+    "tests.distributed.ranks",
+    "tests.distributed.budget_ranks",
+    "tests.distributed.mix_ranks",
+    "tests.tokens.ranks",
+    "tests.optimize.ranks",
+]
+
 # Names the library and its test servers give their temporary files and directories.
 _OURS = ("asynccache-", "optimize-shards-", "seaweedfs-")
 _RUN_TMP: dict[str, str] = {}
@@ -39,6 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Point ``TMPDIR`` at a directory of this run, so leftovers are ours to see and remove."""
     if "run" in _RUN_TMP:
         return
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
     run = tempfile.mkdtemp(prefix="asynccache-tests-")
     _RUN_TMP.update(run=run, before=os.environ.get("TMPDIR", ""))
     os.environ["TMPDIR"] = run
