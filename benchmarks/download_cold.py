@@ -135,6 +135,7 @@ def main() -> None:
                 max_cache_bytes=4 * total,
                 max_concurrency=args.concurrency,
                 part_bytes=part_bytes,
+                adaptive_parts=False,  # the same parts as the bare loop's (like for like)
                 timeout_s=60,
                 progress=False,
             )
