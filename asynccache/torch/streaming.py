@@ -612,7 +612,8 @@ class StreamingDataset(IterableDataset[Any]):
         batches starts). None, and the workers start as usual, unless whole batches come
         from the workers and more than one batch of this rank's epoch is left. At least
         one batch is left to the workers; fewer are built here when a worker's batch is
-        short or only fewer can be read without downloading a whole chunk here."""
+        short, when only fewer can be read without downloading a whole chunk here, and
+        one alone when its items are read by range from a shuffled order."""
         self._head = 0
         world = self._world()
         pr, p = self._plan(world)
