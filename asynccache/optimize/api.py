@@ -442,12 +442,28 @@ def pool_context() -> Any:
     guarded by ``if __name__ == "__main__"``, as with ``spawn``. The fork server imports
     asynccache once per calling process (not torch: the package binds its torch-facing
     names on first use); later pools fork from it, so a worker starts in milliseconds.
+    Modules the caller asked the fork server to preload before are kept.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # ignored once a server runs: it already has them
+    # Added to what the caller (or an earlier pool) asked the server to preload, never in
+    # its place: the process has one fork server, and the list in force when it starts is
+    # the one it keeps. Ignored once a server runs.
+    ctx.set_forkserver_preload(_with_ours(_forkserver_preload()))
     return ctx
+
+
+def _forkserver_preload() -> list[str]:
+    """The preload list the process's fork server would start with now."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    return list(getattr(server, "_preload_modules", None) or [])
+
+
+def _with_ours(modules: list[str]) -> list[str]:
+    return modules + [m for m in _PRELOAD if m not in modules]
 
 
 def _init_worker(q: Any, slots: Any, counter: Any, driver: int) -> None:

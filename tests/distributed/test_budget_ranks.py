@@ -14,7 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from asynccache.config import Settings
-from asynccache.optimize.api import _PRELOAD, pool_context
+from asynccache.optimize.api import pool_context
 from asynccache.testing.faults import FaultProxy, RequestRecord
 from tests.budget_data import fetched_bytes, write_remote
 from tests.distributed.budget_ranks import budget_rank_main
@@ -67,8 +67,9 @@ def test_two_ranks_fetch_each_chunk_once_per_cold_epoch(objstore, tmp_path):
             "runs": runs,
         }
         os.makedirs(cfg["out"])
-        # ranks forked from optimize's fork server (torch.distributed preloaded)
-        pool_context().set_forkserver_preload([*_PRELOAD, "tests.distributed.budget_ranks"])
+        # ranks forked from optimize's fork server (torch.distributed and this rank module
+        # preloaded: tests/conftest.py names them before any test starts the server)
+        pool_context()
         ctx = mp.start_processes(
             budget_rank_main,
             args=(WORLD, free_port(), cfg),

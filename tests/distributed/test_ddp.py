@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from asynccache import CacheDataLoader
 from asynccache.config import Settings
-from asynccache.optimize.api import _PRELOAD, pool_context
+from asynccache.optimize.api import pool_context
 from asynccache.upload import upload
 from tests.distributed.ranks import rank_main
 from tests.loader.datasets import DictDataset
@@ -88,7 +88,7 @@ def warm_launch(world: int, cfg: dict) -> list[list[dict]]:
     the tests start workers each way once, spawn (the elastic test's spawned group), a
     rank's fork server (the first launch of each world size) and fork (the reruns and the
     resumed group, which so skip that import)."""
-    pool_context().set_forkserver_preload([*_PRELOAD, "tests.distributed.ranks"])
+    pool_context()  # its preload list (tests/conftest.py) names tests.distributed.ranks
     return launch(world, cfg, start_method="forkserver")
 
 

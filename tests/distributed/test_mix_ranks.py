@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from asynccache.optimize.api import _PRELOAD, pool_context
+from asynccache.optimize.api import pool_context
 from tests.distributed.mix_ranks import build, mix_rank_main
 from tests.distributed.test_ddp import launch
 from tests.loader.mix_data import CHUNK, SIZES, WEIGHTS, upload_streams, write_streams
@@ -43,8 +43,7 @@ def test_mix_resumes_from_one_process_on_two_ranks(objstore, tmp_path):
         pickle.dump(dl.state_dict(), f)
     del it
     # ranks fork from a server that preloaded torch.distributed (not a spawn apiece)
-    ctx = pool_context()
-    ctx.set_forkserver_preload([*_PRELOAD, "tests.distributed.mix_ranks"])
+    ctx = pool_context()  # its preload list (tests/conftest.py) names tests.distributed.mix_ranks
     ranks = launch(
         2,
         dict(cfg, num_workers=0, cache_dir=str(tmp_path / "cache-ranks")),

@@ -12,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from asynccache import StreamingDataset
-from asynccache.optimize.api import _PRELOAD, pool_context
+from asynccache.optimize.api import pool_context
 from tests.optimize import helpers
 from tests.optimize.ranks import rank_main
 
@@ -29,11 +29,11 @@ def free_port() -> int:
 def start_ranks(cfg: dict) -> mp.ProcessContext:
     """2 ranks of ``rank_main``, forked from optimize's fork server (clean, like its pool).
 
-    The server also preloads this rank module (torch.distributed), so each rank starts warm
-    when the server starts here; when an earlier test started it, ranks import torch.
+    The server preloads this rank module (torch.distributed), so each rank starts warm,
+    whichever test started it: tests/conftest.py names it, and ``pool_context`` keeps that
+    list.
     """
-    ctx = pool_context()
-    ctx.set_forkserver_preload([*_PRELOAD, "tests.optimize.ranks"])
+    pool_context()  # its preload list (tests/conftest.py) names tests.optimize.ranks
     return mp.start_processes(
         rank_main, args=(2, free_port(), cfg), nprocs=2, join=False, start_method="forkserver"
     )

@@ -218,3 +218,25 @@ def test_local_chunks_are_fsynced_before_a_shard_index_names_them(tmp_path, monk
             synced.update(names)
         else:
             assert set(names) <= synced, f"a shard index named unsynced chunks {names}"
+
+
+def test_pool_context_keeps_the_preload_list_it_finds(monkeypatch):
+    """The process has one fork server; optimize adds its modules to what the caller asked it
+    to preload instead of replacing that list (a caller's own preload of, e.g., torch would be
+    lost otherwise, and its forked processes would each import it)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from asynccache.optimize.api import _PRELOAD, pool_context
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no forkserver start method on this platform")
+    server = forkserver._forkserver
+    monkeypatch.setattr(server, "_preload_modules", list(server._preload_modules))
+    multiprocessing.set_forkserver_preload(["json", "asynccache.optimize.api"])
+    pool_context()
+    pool_context()
+    kept = list(server._preload_modules)
+    assert kept[:2] == ["json", "asynccache.optimize.api"]
+    assert all(m in kept for m in _PRELOAD)
+    assert len(kept) == len(set(kept)), kept

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from asynccache.optimize.api import _PRELOAD, pool_context
+from asynccache.optimize.api import pool_context
 from tests.distributed.test_ddp import launch
 
 from .corpus import TOTAL, block_numbers
@@ -44,9 +44,9 @@ def test_elastic_resume_from_two_ranks_to_three(remote, tmp_path, monkeypatch): 
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert len(before) == len(set(before)) == 2 * 5 * B
-    # Ranks forked from optimize's fork server, which preloads torch.distributed (and
-    # this suite's rank module, when this test starts it): each rank starts warm.
-    pool_context().set_forkserver_preload([*_PRELOAD, "tests.tokens.ranks"])
+    # Ranks forked from optimize's fork server, which preloads torch.distributed and this
+    # suite's rank module (tests/conftest.py names them): each rank starts warm.
+    pool_context()
     post = launch(3, cfg, main=token_rank_main, start_method="forkserver")
     after = [k for r in post for k in r[0]["keys"]]
     assert not set(before) & set(after), "nothing repeated across the restart"
