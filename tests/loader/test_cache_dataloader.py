@@ -139,15 +139,22 @@ def test_abandoned_first_epoch_is_redone_cleanly(tmp_path):
     assert len(Cache(tmp_path)) == 30
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_dataset_that_fills_its_own_cache(tmp_path, num_workers):
-    dl = CacheDataLoader(SelfCachingDataset(str(tmp_path)), num_workers=num_workers, batch_size=4)
+@pytest.mark.parametrize(("num_workers", "context"), [(0, None), (2, None), (2, "spawn")])
+def test_dataset_that_fills_its_own_cache(tmp_path, num_workers, context):
+    # spawn: the workers unpickle the dataset and its Cache, writing and then reading (the
+    # documented example's default, examples/image_dataset.py, in one process)
+    kw = {"multiprocessing_context": context} if context else {}
+    dl = CacheDataLoader(
+        SelfCachingDataset(str(tmp_path)), num_workers=num_workers, batch_size=4, **kw
+    )
     first = torch.cat(list(dl)).tolist()
     assert (tmp_path / "index.json").exists()
     # A fresh process's view: the dataset now reads only from its cache.
     fresh = SelfCachingDataset(str(tmp_path))
     assert not hasattr(fresh, "data")
-    second = torch.cat(list(CacheDataLoader(fresh, num_workers=num_workers, batch_size=4))).tolist()
+    second = torch.cat(
+        list(CacheDataLoader(fresh, num_workers=num_workers, batch_size=4, **kw))
+    ).tolist()
     assert first == second == list(range(30))
 
 
