@@ -66,9 +66,8 @@ async def fetch_range(
     backoff, resuming from the first byte not yet received. ``progress`` (optional) is
     touched as bytes land and attempts start and end, for waiters on other threads.
     ``link`` (optional) is told each complete attempt's time to first byte and body rate.
-    Each
-    attempt holds one ``slot()`` of the process's concurrency limit while its request is
-    open, and not while it sleeps.
+    Each attempt holds one ``slot()`` of the process's concurrency limit while its request
+    is open, and not while it sleeps.
 
     Raises:
         RetriesExhaustedError: the retry budget ran out; names the URL, the attempts and

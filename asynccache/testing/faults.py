@@ -325,7 +325,6 @@ class FaultProxy:
         with self._mu:
             self._open += 1
             self._peak_open = max(self._peak_open, self._open)
-        with self._mu:
             index = len(self._log)  # where _handle_counted logs it (no await before)
         try:
             return await self._handle_counted(request)

@@ -557,15 +557,7 @@ class MixedDataset(StreamingDataset):
         streams, keys = self._locate(np.concatenate(runs))[:2]
         for s, st in enumerate(self.streams):
             k = keys[streams == s]
-            if not len(k):
-                continue
-            if st._blocks is not None:
-                first, last = st._blocks.chunks_of(k), st._blocks.last_chunks(k)
-                pairs = zip(first.tolist(), last.tolist(), strict=True)
-                chunks = {c for a, b in pairs for c in range(a, b + 1)}
-            else:
-                chunks = set(st.index.locate_many(k)[0].tolist())
-            if not all(st.source.landed(c) for c in chunks):
+            if len(k) and not st._all_landed(k):
                 return False
         return True
 

@@ -662,10 +662,7 @@ class StreamingDataset(IterableDataset[Any]):
         (range reads up to ``first_read_bytes`` per run)."""
         keys = np.concatenate(runs)
         if self._blocks is not None:  # token chunks are not read by range: all cached?
-            first, last = self._blocks.chunks_of(keys), self._blocks.last_chunks(keys)
-            pairs = zip(first.tolist(), last.tolist(), strict=True)
-            chunks = {c for a, b in pairs for c in range(a, b + 1)}
-            return all(self.source.landed(c) for c in chunks)
+            return self._all_landed(keys)
         self._reader.set_range_budget(self.source.first_read_bytes * len(runs))
         if self._reader.fetches_no_chunk(*self.index.locate_many(keys)):
             return True
@@ -680,8 +677,17 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _lead_reads_by_range(self, keys: np.ndarray) -> bool:
         """Some of units ``keys`` are in chunks not in the cache (read by range here)."""
-        chunks = dict.fromkeys(self._chunks_of(keys).tolist())
-        return self.source.remote and not all(self.source.landed(c) for c in chunks)
+        return self.source.remote and not self._all_landed(keys)
+
+    def _all_landed(self, keys: np.ndarray) -> bool:
+        """Every chunk units ``keys`` read (a token block's last chunk too) is cached."""
+        if self._blocks is not None:
+            first, last = self._blocks.chunks_of(keys), self._blocks.last_chunks(keys)
+            pairs = zip(first.tolist(), last.tolist(), strict=True)
+            chunks = {c for a, b in pairs for c in range(a, b + 1)}
+        else:
+            chunks = set(self.index.locate_many(keys)[0].tolist())
+        return all(self.source.landed(c) for c in chunks)
 
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Before the first of ``runs`` is built: read every run's items by range in
