@@ -32,6 +32,7 @@ from typing import Protocol
 __all__ = [
     "ForkResettable",
     "close_fd",
+    "dup_fd",
     "open_fd",
     "register",
     "track_fd",
@@ -90,6 +91,17 @@ def open_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
         fd = os.open(path, flags | os.O_CLOEXEC, mode)
         _registry.fds.add(fd)
     return fd
+
+
+def dup_fd(fd: int) -> int:
+    """``os.dup`` of ``fd`` (close-on-exec), tracked in the same step like :func:`open_fd`.
+
+    The duplicate shares ``fd``'s open file description, and so its flock.
+    """
+    with _registry.mu:
+        new = os.dup(fd)
+        _registry.fds.add(new)
+    return new
 
 
 def untrack_fd(fd: int) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from . import forksafe
+from .cache.layout import reopens, shown_path
 from .download import heap
 from .errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from .format import ChunkEntry, ChunkView, Index, checksum, decode
@@ -73,10 +74,16 @@ class _Early:
 
 
 class _Mapped:
-    __slots__ = ("batch", "mm", "path", "view")
+    """A chunk mapped by a reader: ``path`` opens it (while pinned), ``name`` is what
+    messages call it (see :func:`.cache.layout.shown_path`), ``ino`` its inode when
+    ``path`` reaches it through a descriptor (checked when it is opened again)."""
 
-    def __init__(self, mm: Any, view: ChunkView, path: str) -> None:
-        self.mm, self.view, self.path = mm, view, path
+    __slots__ = ("batch", "ino", "mm", "name", "path", "view")
+
+    def __init__(
+        self, mm: Any, view: ChunkView, path: str, name: str, ino: int | None = None
+    ) -> None:
+        self.mm, self.view, self.path, self.name, self.ino = mm, view, path, name, ino
         self.batch: Any = None  # the chunk's ChunkMap for batch assembly, once asked for
 
 
@@ -95,53 +102,70 @@ class ChunkMap(mmap.mmap):
     path: str
 
     @classmethod
-    def open(cls, path: str, size: int) -> ChunkMap:
+    def open(
+        cls, path: str, size: int, *, name: str | None = None, ino: int | None = None
+    ) -> ChunkMap:
+        """Map ``path``; ``name`` is what messages call it; ``ino``: the inode it must be
+        (a path through a descriptor that was closed meanwhile reaches another file).
+
+        Raises:
+            ObjectNotFoundError: ``path`` no longer reaches inode ``ino``.
+        """
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            if ino is not None and os.fstat(fd).st_ino != ino:
+                where = name or path
+                raise ObjectNotFoundError(f"{where}: released while being mapped", url=where)
             m = cls(fd, size, access=mmap.ACCESS_READ)
         except BaseException:
             os.close(fd)
             raise
-        m.fd, m.path = fd, path
+        m.fd, m.path = fd, name or path
         weakref.finalize(m, os.close, fd).atexit = False
         return m
 
 
-def map_chunk(path: str, entry: ChunkEntry, *, verify: bool) -> tuple[Any, ChunkView]:
+def map_chunk(
+    path: str, entry: ChunkEntry, *, verify: bool, name: str | None = None
+) -> tuple[Any, ChunkView]:
     """Map ``path`` and check it against its index ``entry`` (size; checksum if ``verify``).
+    Messages name ``name`` (default ``path``).
 
     Raises:
         TruncatedChunkError, ChecksumMismatchError, BadMagicError, UnsupportedVersionError:
             naming the file.
     """
+    shown = name or path
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below; the mapping outlives it
     except FileNotFoundError as exc:
-        raise ObjectNotFoundError(f"{path}: chunk named in the index is missing", url=path) from exc
+        raise ObjectNotFoundError(
+            f"{shown}: chunk named in the index is missing", url=shown
+        ) from exc
     with f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:
             raise TruncatedChunkError(
-                f"{path}: file has {size} bytes but the index says {entry.bytes}"
+                f"{shown}: file has {size} bytes but the index says {entry.bytes}"
             )
         mm: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     if verify:
         got = checksum(mm)
         if got != entry.checksum:
             raise ChecksumMismatchError(
-                f"{path}: checksum {got} does not match the index ({entry.checksum})"
+                f"{shown}: checksum {got} does not match the index ({entry.checksum})"
             )
         # Hashing mapped every page: unmap them (nothing points into the mapping yet, so
         # nothing is lost; the pages stay in the page cache), or the whole chunk would stay
         # in this process's memory for as long as it is open.
         if size:
             mm.madvise(mmap.MADV_DONTNEED)
-    view = ChunkView(mm, path)
+    view = ChunkView(mm, shown)
     if len(view) != entry.items:
-        raise TruncatedChunkError(f"{path}: holds {len(view)} items, the index says {entry.items}")
+        raise TruncatedChunkError(f"{shown}: holds {len(view)} items, the index says {entry.items}")
     if entry.tokens is not None and view.token_dtype is not None and view.tokens != entry.tokens:
         raise TruncatedChunkError(
-            f"{path}: holds {view.tokens} tokens, the index says {entry.tokens}"
+            f"{shown}: holds {view.tokens} tokens, the index says {entry.tokens}"
         )
     return mm, view
 
@@ -225,7 +249,7 @@ class Reader:
         if dt is not None:  # a token chunk: the document is a view of the mapping
             return np.frombuffer(m.mm, dt, (end - start) // dt.itemsize, start)
         return decode(
-            m.mm, start, end, where=f"{m.path} item {pos}", allow_pickle=self._allow_pickle
+            m.mm, start, end, where=f"{m.name} item {pos}", allow_pickle=self._allow_pickle
         )
 
     def fetches_no_chunk(self, chunks: np.ndarray, positions: np.ndarray) -> bool:
@@ -376,7 +400,7 @@ class Reader:
         m = self._chunk(chunk)
         dt = m.view.token_dtype
         if dt is None:
-            raise DataError(f"{m.path}: holds items, not tokens (written without tokens=)")
+            raise DataError(f"{m.name}: holds items, not tokens (written without tokens=)")
         if not m.view.tokens:
             return np.empty(0, dt)
         return np.frombuffer(m.mm, dt, m.view.tokens, m.view.token_start)
@@ -389,12 +413,17 @@ class Reader:
                 return m
         entry = self.index.chunks[ci]
         path = self._resolve(ci, entry)
+        name = shown_path(path)
         try:
-            mm, view = map_chunk(path, entry, verify=self._verify and ci not in self._verified)
+            verify = self._verify and ci not in self._verified
+            mm, view = map_chunk(path, entry, verify=verify, name=name)
+            # A chunk not published yet, reached through its downloader's descriptor
+            # (see ChunkStore.pin): remember the inode for mapped().
+            ino = os.stat(path).st_ino if reopens(path) else None
         except BaseException:
             self._released(ci)
             raise
-        m = _Mapped(mm, view, path)
+        m = _Mapped(mm, view, path, name, ino)
         self._mapped_any = True
         if self._early:
             try:
@@ -472,7 +501,9 @@ class Reader:
         referenced, like an item's."""
         m = self._chunk(chunk)
         if m.batch is None:
-            m.batch = ChunkMap.open(m.path, len(m.mm)) if len(m.mm) else m.mm
+            m.batch = (
+                ChunkMap.open(m.path, len(m.mm), name=m.name, ino=m.ino) if len(m.mm) else m.mm
+            )
         return m.batch, m.view._offsets
 
     def set_range_budget(self, nbytes: int) -> None:

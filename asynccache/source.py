@@ -256,7 +256,9 @@ class DatasetSource:
         """Local path of chunk ``ci``, downloaded if needed and pinned against eviction.
 
         Every ``acquire`` of a remote chunk needs a :meth:`release`. Bounded: the
-        downloader's retry budget and stall timeout bound the wait.
+        downloader's retry budget and stall timeout bound the wait. A chunk this process
+        just downloaded may be returned before its publish finished: the path then reaches
+        it only while pinned (see :meth:`.ChunkStore.pin`); open it before :meth:`release`.
         """
         entry = entry or self.index.chunks[ci]
         if not self.remote:
@@ -279,7 +281,9 @@ class DatasetSource:
         for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
             # Bounded by progress: a slow but live download is waited for, a stuck one is
             # not; giving up (or an interrupt) cancels the download nobody else wants.
-            dl.wait(dl.ensure(spec.name, spec.size, spec.checksum), spec.name)
+            # Early: answered once verified, while the publish (its fsync) goes on; the
+            # pin then reaches the file through the store's own descriptor of it.
+            dl.wait(dl.ensure(spec.name, spec.size, spec.checksum, early=True), spec.name)
             path = dl.store.pin(spec.name)
             if path is not None:
                 with self._mu:
@@ -317,9 +321,9 @@ class DatasetSource:
         """Chunk ``ci`` is in this node's cache now (always true for a local dataset)."""
         if not self.remote:
             return True
-        return self.downloader().store.is_cached(
-            self.index.filename(ci), int(self.index.bytes_per_chunk[ci])
-        )
+        store = self.downloader().store
+        name = self.index.filename(ci)
+        return store.held(name) or store.is_cached(name, int(self.index.bytes_per_chunk[ci]))
 
     def read_ranges(
         self, ci: int, ranges: list[tuple[int, int]]

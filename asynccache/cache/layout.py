@@ -13,6 +13,11 @@ Layout::
 A published name is only ever created by ``os.replace`` of a complete, verified, fsynced
 temporary file, so a reader never sees a partial chunk, even after a crash.
 
+The process that downloaded a chunk may read it before it is published (while the fsync
+runs): its store holds a duplicate of the temporary file's descriptor and hands its own
+readers :func:`reopen_path` of it, a name that reaches that inode whatever the rename does
+(Linux ``/proc/self/fd``). Other processes see the chunk only under its published name.
+
 The cache touches only what it created: directories holding the marker, and in them only
 chunk names (:func:`is_chunk_name`) and our temporary names (:func:`is_temp_name`).
 Every descriptor that may carry a flock is tracked by :mod:`asynccache.forksafe`, so a
@@ -27,6 +32,7 @@ import hashlib
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +51,9 @@ __all__ = [
     "is_chunk_name",
     "is_dataset_dir",
     "is_temp_name",
+    "reopen_path",
+    "reopens",
+    "shown_path",
     "sweep_orphans",
     "temp_final_name",
 ]
@@ -56,6 +65,40 @@ _TMP_SUFFIX = ".tmp"
 _CHUNK_RE = re.compile(r"chunk-[^/]*\.bin")
 # ``.<final name>.<pid>.<8 hex>.tmp``, exactly what TempFile creates.
 _TEMP_RE = re.compile(r"\.(?P<final>[^/]+)\.[0-9]+\.[0-9a-f]{8}\.tmp")
+# Opening ``/proc/self/fd/N`` reopens the inode behind descriptor N (Linux): a name for a
+# file that is being renamed, or was removed, for as long as N stays open.
+_PROC_FD = "/proc/self/fd/"
+_DELETED = " (deleted)"
+_can_reopen: bool | None = None
+
+
+def reopen_path(fd: int) -> str | None:
+    """A path that opens the inode behind ``fd`` (of this process) while ``fd`` stays open,
+    whatever happens to its names; None where the system has no such path (no ``/proc``)."""
+    global _can_reopen
+    if _can_reopen is None:
+        _can_reopen = sys.platform.startswith("linux") and os.path.isdir(_PROC_FD)
+    return f"{_PROC_FD}{fd}" if _can_reopen else None
+
+
+def reopens(path: str) -> bool:
+    """``path`` is a :func:`reopen_path`."""
+    return path.startswith(_PROC_FD)
+
+
+def shown_path(path: str) -> str:
+    """The name to show for ``path`` in messages: for a :func:`reopen_path`, the chunk's
+    published name (what the file is called, or will be once published); else ``path``."""
+    if not reopens(path):
+        return path
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return path
+    target = target.removesuffix(_DELETED)
+    head, tail = os.path.split(target)
+    m = _TEMP_RE.fullmatch(tail)
+    return os.path.join(head, m["final"]) if m else target
 
 
 def dataset_dir(cache_dir: str | os.PathLike[str], source_url: str, index_checksum: str) -> Path:

@@ -17,7 +17,14 @@ from ..config import Settings
 from ..errors import CacheError, DiskFullError
 from . import usage
 from .eviction import Entry, select_victims
-from .layout import LOCK_DIR, TempFile, dataset_dir, ensure_dataset_dir, sweep_orphans
+from .layout import (
+    LOCK_DIR,
+    TempFile,
+    dataset_dir,
+    ensure_dataset_dir,
+    reopen_path,
+    sweep_orphans,
+)
 from .locks import FileLock, in_thread, open_lock_file, try_lock, wait_lock
 from .plan import Deferred, PlanPolicy
 
@@ -54,6 +61,12 @@ class ChunkStore:
           :class:`.plan.Deferred`: it never forces out a chunk still to be read.
         * Pins are counted per process in memory; the kernel drops the flocks of a dead
           process, so nothing on disk needs cleaning after a crash.
+        * A chunk this process downloaded and verified is readable here before it is
+          published (:meth:`adopt`): pinned through a duplicate of its temporary file's
+          descriptor, which shares the writer's flock (exclusive until the publish, then
+          shared, like any pin), and :meth:`pin` returns a path reaching that inode
+          (:func:`.layout.reopen_path`) until the publish succeeds. Other processes and
+          eviction see only published names.
         * Fork: every descriptor carrying a flock is tracked by :mod:`asynccache.forksafe`;
           a forked child starts with no pins and fresh mutexes, and the parent's pins and
           locks stay in force, held by the parent alone.
@@ -83,6 +96,7 @@ class ChunkStore:
         self.max_cache_bytes = max_cache_bytes
         self.lock_timeout_s = lock_timeout_s
         self._pins: dict[str, tuple[int, int]] = {}  # name -> (fd, count)
+        self._reached: dict[str, str] = {}  # pinned, not published: name -> reopen_path
         self._mu = threading.Lock()
         self.evicted = 0
         self._amutex: asyncio.Lock | None = None
@@ -140,13 +154,19 @@ class ChunkStore:
     def pin(self, name: str) -> str | None:
         """Protect ``name`` from eviction and mark it used; its path, or None if absent.
 
-        Every successful ``pin`` needs one :meth:`unpin`. Never blocks.
+        The path is the chunk's own, or, for a chunk adopted here and not published
+        (:meth:`adopt`), one that reaches its file only while the pin is held (show
+        :func:`.layout.shown_path` of it in messages). Every successful ``pin`` needs one
+        :meth:`unpin`. Never blocks.
         """
         path = str(self.path(name))
         with self._mu:
             held = self._pins.get(name)
             if held is not None:
                 self._pins[name] = (held[0], held[1] + 1)
+                reached = self._reached.get(name)
+                if reached is not None:
+                    return reached  # adopted, not published (yet, or ever)
                 _touch(path)
                 return path
             try:
@@ -182,8 +202,52 @@ class ChunkStore:
                 self._pins[name] = (fd, count - 1)
                 return
             del self._pins[name]
+            self._reached.pop(name, None)
         forksafe.close_fd(fd)
         self._evict_after_unpin()
+
+    def adopt(self, name: str, tmp: TempFile) -> bool:
+        """Pin ``name`` through ``tmp``, complete and verified but not published yet, so
+        this process's readers may map it while :meth:`TempFile.publish` runs.
+
+        Holds a duplicate of ``tmp``'s descriptor (tracked by :mod:`asynccache.forksafe`:
+        a forked child never holds it); its flock is the writer's, so sweepers leave the
+        file alone and, once published, evictors leave it alone too, until the last pin
+        of ``name`` here is gone. One pin is the publisher's: :meth:`settle` releases it.
+        False (nothing held) where no path can reach the file across the rename (see
+        :func:`.layout.reopen_path`), or when ``name`` is pinned here already.
+        """
+        assert tmp.fd is not None
+        with self._mu:
+            if name in self._pins:
+                return False
+            fd = forksafe.dup_fd(tmp.fd)
+            reached = reopen_path(fd)
+            if reached is None:
+                forksafe.close_fd(fd)
+                return False
+            self._pins[name] = (fd, 1)
+            self._reached[name] = reached
+        return True
+
+    def settle(self, name: str, published: bool) -> None:
+        """The publish of a chunk :meth:`adopt` took is over: release the publisher's pin.
+
+        Published: later pins get the chunk's own path. Not published (the fsync or the
+        rename failed): readers that pinned it keep reading the verified bytes through the
+        descriptor, and nothing else finds it (the next download fetches it again). A
+        no-op when the store was closed meanwhile (:meth:`close` released every pin).
+        """
+        with self._mu:
+            if name not in self._pins:
+                return
+            if published:
+                self._reached.pop(name, None)
+        self.unpin(name)
+
+    def held(self, name: str) -> bool:
+        """``name`` is readable here through :meth:`pin` though not published (adopted)."""
+        return name in self._reached
 
     def pinned(self) -> dict[str, int]:
         """Names pinned by this process, with their pin counts."""
@@ -402,6 +466,7 @@ class ChunkStore:
         """Release every pin this store holds."""
         with self._mu:
             pins, self._pins = self._pins, {}
+            self._reached = {}
         for fd, _ in pins.values():
             forksafe.close_fd(fd)
 
@@ -410,6 +475,7 @@ class ChunkStore:
         self._mu = threading.Lock()
         self._amutex = None
         self._pins = {}
+        self._reached = {}
 
 
 def _touch(path: str) -> None:

@@ -72,6 +72,12 @@ class Downloader:
           may still need a slot (it would share that download's bandwidth: the time to the
           first batch); once all its parts receive bytes, spare slots may prefetch.
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
+        * With ``early`` (:meth:`ensure`), a caller is answered once its chunk is verified,
+          before the publish's fsync: the store holds the chunk for this process's pins
+          (:meth:`.ChunkStore.adopt`) while the publish goes on in a worker thread; the
+          download (its lock, its statistics) ends after the publish, so other processes
+          still wait for the published name. Durable stores on systems with
+          ``/proc/self/fd`` only; elsewhere ``early`` waits for the publish.
         * Every wait is bounded: per-attempt stall timeout (no byte for ``timeout_s``, or
           under ``min_bytes_per_s`` over that window), retry budget, lock-wait bound. A
           sync waiter (:meth:`wait`) is bounded by progress, not by a total: it gives up
@@ -125,6 +131,7 @@ class Downloader:
         self._sizes: dict[str, int] = {}  # of the chunks downloading (see _bytes_ahead)
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
+        self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
         self._all = ProgressClock()  # moves with any download of this downloader
         self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
@@ -147,10 +154,20 @@ class Downloader:
 
     # -- the sync face -------------------------------------------------------------------
     def ensure(
-        self, name: str, size: int | None = None, checksum: str | None = None
+        self,
+        name: str,
+        size: int | None = None,
+        checksum: str | None = None,
+        *,
+        early: bool = False,
     ) -> concurrent.futures.Future[str]:
-        """A Future of the local path of chunk ``name``, downloading it if needed."""
-        return self._lt.submit(self.ensure_async(name, size, checksum))
+        """A Future of the local path of chunk ``name``, downloading it if needed.
+
+        ``early``: resolved as soon as the chunk is verified and this process's store
+        holds it (:meth:`.ChunkStore.adopt`), which may be before it is published under
+        that path: the caller must read it through :meth:`.ChunkStore.pin`.
+        """
+        return self._lt.submit(self.ensure_async(name, size, checksum, early=early))
 
     def read_ranges(
         self, name: str, ranges: list[tuple[int, int]]
@@ -259,9 +276,15 @@ class Downloader:
 
     # -- the async core ------------------------------------------------------------------
     async def ensure_async(
-        self, name: str, size: int | None = None, checksum: str | None = None
+        self,
+        name: str,
+        size: int | None = None,
+        checksum: str | None = None,
+        *,
+        early: bool = False,
     ) -> str:
-        """The local path of chunk ``name``, downloading it if needed (async twin)."""
+        """The local path of chunk ``name``, downloading it if needed (async twin; see
+        :meth:`ensure` for ``early``)."""
         self._consume_noted()
         self._consume_hint(name)
         if self.storage.is_local:
@@ -277,7 +300,7 @@ class Downloader:
         try:
             while True:
                 try:
-                    return await asyncio.shield(task)
+                    return await asyncio.shield(self._ready_of(task) if early else task)
                 except Deferred:
                     # A prefetch of it was deferred just before this caller came.
                     task = self._start(ChunkSpec(name, size, checksum))
@@ -297,6 +320,27 @@ class Downloader:
             self._waiters[name] -= 1
             if not self._waiters[name]:
                 del self._waiters[name]
+
+    def _ready_of(self, task: asyncio.Task[str]) -> asyncio.Future[str]:
+        """A future of ``task``'s chunk path, resolved once the chunk is adopted (see
+        :meth:`_fetch`) or else with the task's outcome."""
+        ready = self._early.get(task)
+        if ready is None:
+            ready = self._early[task] = task.get_loop().create_future()
+            task.add_done_callback(functools.partial(self._settle_ready, ready))
+        return ready
+
+    def _settle_ready(self, ready: asyncio.Future[str], task: asyncio.Task[str]) -> None:
+        self._early.pop(task, None)
+        if ready.done():
+            return
+        if task.cancelled():
+            ready.cancel()
+        elif (exc := task.exception()) is not None:
+            ready.set_exception(exc)
+            ready.exception()  # retrieved: nobody may be waiting for it any more
+        else:
+            ready.set_result(task.result())
 
     async def _local(self, spec: ChunkSpec) -> str:
         path = self.storage.local_path(spec.name)
@@ -378,6 +422,7 @@ class Downloader:
             size = spec.size
             if size is None:
                 size = (await self.storage.head(spec.name)).size
+            fetched = False  # counted once its callers could read it
             clock.quiet(self.store.lock_timeout_s)  # another process may be downloading it
             async with self.store.download_lock(spec.name):
                 clock.resume()
@@ -399,7 +444,17 @@ class Downloader:
                         url = self.storage.object_url(spec.name)
                         clock.quiet(self.settings.timeout_s + size / _MIN_VERIFY_BYTES_PER_S)
                         await in_thread(_verify_fd, tmp, spec, url, hashed)
-                        await in_thread(tmp.publish)
+                        if self.store.durable and self.store.adopt(spec.name, tmp):
+                            # This process's callers read it now; the fsync goes on.
+                            self.stats.chunks_fetched += 1  # served, published or not
+                            fetched = True
+                            me = asyncio.current_task()
+                            ready = self._ready_of(me) if me is not None else None
+                            if ready is not None and not ready.done():
+                                ready.set_result(str(self.store.path(spec.name)))
+                            await in_thread(_publish_adopted, tmp, self.store, spec.name)
+                        else:
+                            await in_thread(tmp.publish)
                         clock.resume()
                         break
                     except ChecksumMismatchError:
@@ -417,7 +472,8 @@ class Downloader:
                     except BaseException:
                         tmp.discard()
                         raise
-            self.stats.chunks_fetched += 1
+            if not fetched:
+                self.stats.chunks_fetched += 1
             return str(self.store.path(spec.name))
         finally:
             self.stats.finished()
@@ -653,6 +709,17 @@ def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str, hashed: _Hashed | None)
                 f"{url}: {stale}: xxh3_64 {actual}, the index says {spec.checksum}"
                 f" (would be cached as {tmp.final})"
             )
+
+
+def _publish_adopted(tmp: TempFile, store: ChunkStore, name: str) -> None:
+    """Publish ``tmp``, then release the publisher's pin of ``name`` (see
+    :meth:`.ChunkStore.adopt`) whether the publish succeeded or not."""
+    published = False
+    try:
+        tmp.publish()
+        published = True
+    finally:
+        store.settle(name, published)
 
 
 def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:
