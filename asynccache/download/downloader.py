@@ -293,6 +293,10 @@ class Downloader:
             self.stats.hits += 1
             self._pump()
             return str(self.store.path(name))
+        if early and name in self._inflight and self.store.held(name):
+            self.stats.hits += 1  # downloaded and verified here, its publish under way
+            self._pump()
+            return str(self.store.path(name))
         self.stats.misses += 1
         self._waiters[name] = self._waiters.get(name, 0) + 1
         t0 = time.monotonic()
