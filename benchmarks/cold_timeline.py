@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -594,26 +593,7 @@ def analyse(
 def disk_seconds(work: Path, payload: int, chunk_bytes: int) -> float:
     """The payload written into new files of ``chunk_bytes`` (2 threads, 8 MiB pwrites,
     each file fsynced), no network: what a durable cache asks of this box's disk."""
-    out = work / "disk"
-    out.mkdir()
-    block = os.urandom(8 << 20)
-
-    def write(i: int) -> None:
-        size = min(chunk_bytes, payload - i * chunk_bytes)
-        fd = os.open(out / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for pos in range(0, size, len(block)):
-                os.pwrite(fd, block[: min(len(block), size - pos)], pos)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        list(ex.map(write, range(-(-payload // chunk_bytes))))
-    seconds = time.perf_counter() - t0
-    shutil.rmtree(out)
-    return seconds
+    return limits.durable_write(work / "disk", payload, chunk_bytes)
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ and ``benchmarks/README.md``):
 * :func:`raw_get_into_files`: the limit (i-b), the same loop writing each object into a
   file with ``pwrite`` as pieces arrive (no checksum, no fsync).
 * :func:`raw_read`: the raw local-read limit (ii), ``readinto`` of files in 8 MiB blocks.
+* :func:`durable_write`: the disk's own rate for what a durable cache asks of it: the
+  same bytes written into new files of a chunk's size, each fsynced (no network).
 * :class:`CpuClock`: CPU seconds of this process plus its reaped children
   (``getrusage``) and of another process (``/proc/<pid>/stat``), e.g. the object store.
 * :class:`PeakSampler`: a thread sampling the memory of this process tree and the bytes
@@ -26,10 +28,12 @@ first on ``sys.path``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import platform
 import resource
+import shutil
 import statistics
 import threading
 import time
@@ -221,6 +225,35 @@ def raw_read(paths: Iterable[str | os.PathLike[str]], block: int = BLOCK) -> tup
             while n := f.readinto(view):
                 total += n
     return total, time.perf_counter() - started
+
+
+def durable_write(
+    directory: str | os.PathLike[str], payload: int, chunk_bytes: int, threads: int = 2
+) -> float:
+    """Seconds to write ``payload`` bytes into new files of ``chunk_bytes`` under
+    ``directory`` (created, then removed), ``threads`` files at a time, 8 MiB ``pwrite``s,
+    each file fsynced before it is closed: what a durable cache asks of this box's disk."""
+    out = Path(directory)
+    out.mkdir(parents=True)
+    block = os.urandom(BLOCK)
+
+    def write(i: int) -> None:
+        size = min(chunk_bytes, payload - i * chunk_bytes)
+        fd = os.open(out / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for pos in range(0, size, len(block)):
+                os.pwrite(fd, block[: min(len(block), size - pos)], pos)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    try:
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            list(ex.map(write, range(-(-payload // chunk_bytes))))
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def files_under(root: str | os.PathLike[str], suffix: str = ".bin") -> list[str]:

@@ -20,6 +20,9 @@ In the same run, and in the same repetition, the limits of ``BENCHMARKING.md``:
   list as a map-style dataset (``shuffle=`` given to the DataLoader) is shown for reference;
 * (iv) cold ceiling: items / max(T(i), T(iii), (CPU(i) client + CPU(i) object store +
   CPU(iii)) / cores): on this box the object store competes for the same cores.
+* (v) durable write: the same bytes written into new files of the chunk size and each
+  fsynced, 2 at a time, no network (``limits.durable_write``): what the default, durable
+  cache asks of the disk. Not part of (iv); shown to tell a disk-bound cold epoch.
 
 Reported: items/s median (min-max) of each, time to first batch, CPU seconds (client =
 this process and its reaped children via ``getrusage``, less the memory sampling thread's
@@ -212,6 +215,7 @@ class Mode:
     mapped: list[Epoch] = field(default_factory=list)  # (iii) map-style, for reference
     cold: list[Epoch] = field(default_factory=list)
     warm: list[Epoch] = field(default_factory=list)
+    disk: list[float] = field(default_factory=list)  # (v) durable write, seconds
 
 
 def measure_raw_get(served: Served, concurrency: int) -> Epoch:
@@ -267,6 +271,9 @@ def run(args: argparse.Namespace) -> None:
                     )
                     mode.ceiling.append(ceiling)
                     mode.mapped.append(mapped)
+                    mode.disk.append(
+                        limits.durable_write(work / "disk", served.payload, chunk_bytes)
+                    )
                     cache = work / f"cache-{int(mode.shuffle)}-{rep}"
                     started = time.perf_counter()
                     loader = streaming_loader(
@@ -335,6 +342,7 @@ def report(
             ("(iii) loader ceiling", [e.rate for e in m.ceiling], "x", m.ceiling),
             ("(iii) map-style list", [e.rate for e in m.mapped], "x", m.mapped),
             ("(iv) cold ceiling", iv, "-", None),
+            ("(v) durable write", [n / t for t in m.disk], "-", None),
             ("cold epoch", [e.rate for e in m.cold], "x", m.cold),
             ("warm epoch", [e.rate for e in m.warm], "x", m.warm),
         ]
@@ -357,9 +365,9 @@ def report(
     print(
         "\n| shuffle | cold / (i) | cold / (iv) | warm / min((ii), (iii)) | warm / (iii) "
         "| cold first batch / (iii)'s | warm first batch / (iii)'s "
-        "| client CPU s/GiB cold | (iii) CPU s/GiB | cold / (iii) CPU |"
+        "| client CPU s/GiB cold | (iii) CPU s/GiB | cold / (iii) CPU | cold / (v) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gib = served.payload / 2**30
     for m in modes:
         r_i, r_iv, r_w, f_c, f_w = [], [], [], [], []
@@ -377,8 +385,10 @@ def report(
             cpu_c.append(cold.cpu_client / gib)
             cpu_3.append(c.cpu_client / gib)
             cpu_r.append(cold.cpu_client / c.cpu_client)
+        r_v = [cold.rate * t / n for cold, t in zip(m.cold, m.disk, strict=True)]
         cells = [
-            limits.cell(x, ".2f") for x in (r_i, r_iv, r_w, r_w3, f_c, f_w, cpu_c, cpu_3, cpu_r)
+            limits.cell(x, ".2f")
+            for x in (r_i, r_iv, r_w, r_w3, f_c, f_w, cpu_c, cpu_3, cpu_r, r_v)
         ]
         print(f"| {'on' if m.shuffle else 'off'} | " + " | ".join(cells) + " |")
     print(
