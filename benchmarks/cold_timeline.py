@@ -48,6 +48,7 @@ import asynccache.download.downloader as dlmod
 import asynccache.download.parts as partsmod
 from asynccache import Settings
 from asynccache.cache.layout import TempFile
+from asynccache.cache.store import ChunkStore
 from asynccache.readplan import ReadPlan
 from asynccache.source import DatasetSource
 from asynccache.testing import ObjectStore
@@ -133,6 +134,15 @@ def install(rec: Recorder) -> None:
     dlmod._verify_fd = timed("verify", dlmod._verify_fd, lambda tmp, spec, *a: spec.name)
     TempFile.publish = timed("publish", TempFile.publish, lambda tmp: os.path.basename(tmp.final))  # type: ignore[method-assign]
     DatasetSource.acquire = timed("acq", DatasetSource.acquire, lambda src, ci, *a: ci)  # type: ignore[method-assign]
+    adopt = ChunkStore.adopt
+
+    def traced_adopt(store: ChunkStore, name: str, tmp: TempFile) -> bool:
+        held = adopt(store, name, tmp)
+        if held:  # readable here from now on, before its publish (docs/cache.md)
+            emit("adopted", name)
+        return held
+
+    ChunkStore.adopt = traced_adopt  # type: ignore[method-assign]
     StreamingDataset._batch = timed(  # type: ignore[method-assign]
         "batch", StreamingDataset._batch, lambda ds, keys, *a: int(keys[0])
     )
@@ -435,6 +445,8 @@ def analyse(
             chunk[f[0]]["verified"] = t
         elif kind == "publish_start":
             chunk[f[0]]["publish"] = t
+        elif kind == "adopted":
+            chunk[f[0]]["adopted"] = t
         elif kind == "publish_end":
             chunk[f[0]]["published"] = t
         elif kind == "recv":
@@ -505,22 +517,29 @@ def analyse(
     # Chunks.
     say(
         "\nchunks (s from the epoch start): who, download start, first part sent, last part "
-        "landed, verify start-end, publish start-end, first needed by its reader, "
-        "published - needed"
+        "landed, verify start-end, readable here (adopted; - if not), publish start-end, "
+        "first needed by its reader, readable to that reader - needed"
     )
     need: dict[str, float] = {}
-    for ivs in acq.values():
+    readers: dict[str, str] = {}  # chunk -> the worker that asked for it first
+    for who, ivs in acq.items():
         for x, _, c in ivs:
-            need[c] = min(x, need.get(c, x))
+            if x < need.get(c, float("inf")):
+                need[c], readers[c] = x, who
     for name, c in sorted(chunk.items(), key=lambda kv: kv[1].get("start", 0.0)):
         ci = str(int(name.rsplit("-", 1)[1].split(".")[0])) if name.startswith("chunk-") else name
         n = need.get(ci)
         pub = c.get("published")
-        lag = f"{pub - n:+.2f}" if n is not None and pub is not None else "-"
+        adopted = c.get("adopted")
+        # The reader in the downloading worker reads it once adopted; another waits for
+        # the published name.
+        ready = adopted if adopted is not None and readers.get(ci) == c.get("who") else pub
+        lag = f"{ready - n:+.2f}" if n is not None and ready is not None else "-"
         say(
             f"  {name} {c.get('who', '?')}: {c.get('start', float('nan')):.2f} "
             f"{c.get('first_go', float('nan')):.2f} {c.get('last_out', float('nan')):.2f} "
             f"{c.get('verify', float('nan')):.2f}-{c.get('verified', float('nan')):.2f} "
+            f"{f'{adopted:.2f}' if adopted is not None else '-'} "
             f"{c.get('publish', float('nan')):.2f}-"
             f"{pub if pub is not None else float('nan'):.2f} "
             f"{n if n is not None else float('nan'):.2f} {lag}"
