@@ -57,6 +57,8 @@ def _proxy_main(upstream: str, conn: Any) -> None:
         while (msg := conn.recv()) is not None:
             if msg == "log":
                 conn.send([(r.method, r.path, r.at, r.ended) for r in proxy.requests])
+            elif msg == "records":
+                conn.send(proxy.requests)
             else:
                 proxy.set_link(**msg)
                 conn.send("ok")
@@ -85,6 +87,12 @@ class ProxyProcess:
 
     def log(self) -> list[tuple[str, str, float, float]]:
         self._conn.send("log")
+        assert self._conn.poll(30)
+        return self._conn.recv()  # type: ignore[no-any-return]
+
+    def records(self) -> list[Any]:
+        """Every request so far, as the proxy's ``RequestRecord`` (first byte, peer)."""
+        self._conn.send("records")
         assert self._conn.poll(30)
         return self._conn.recv()  # type: ignore[no-any-return]
 

@@ -33,7 +33,7 @@ from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate, shared_gate
 from .link import endpoint_of, link_for, part_bytes_for
-from .parts import fetch_range, split_parts
+from .parts import Span, fetch_range, split_parts
 from .progress import ProgressClock
 from .ranges import read_range
 from .retry import RetryPolicy
@@ -48,6 +48,8 @@ _WAIT_SLICE_S = 0.5  # how often a waiter looks at its download's progress
 _STALL_SLACK_S = 5.0  # closing a failed response, scheduling: not a stall
 _MIN_VERIFY_BYTES_PER_S = 10e6  # the slowest hash + fsync we wait for before calling it stuck
 _DEFER_RETRY_S = 0.1  # a deferred prefetch is tried again this soon, or at the next read
+_SPLIT_MIN_BYTES = 1 << 20  # a straggler is split only if each half keeps at least this
+_SPLIT_FIRST_BYTES = 4  # ... and only if what is left takes this many first-byte waits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,8 @@ class Downloader:
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
+        self._runs: dict[str, _Run] = {}  # the parts of each download receiving (_split_idle)
+        self._admit: dict[str, asyncio.Future[None]] = {}  # prefetches ready for slots (_pump)
         self._all = ProgressClock()  # moves with any download of this downloader
         self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
         self.stall_s = settings.timeout_s + settings.backoff_max_s + _STALL_SLACK_S
@@ -399,8 +403,10 @@ class Downloader:
                 self._fetch(spec), name=f"asynccache-fetch:{spec.name}"
             )
             self._inflight[spec.name] = task
-            self._parts[spec.name] = self._part_count(spec.size)  # _fill knows it exactly
+            self._parts[spec.name] = self._part_count(spec.size, spec.name)  # _fill: exactly
             task.add_done_callback(functools.partial(self._done, spec.name))
+        if self._wanted(spec.name):
+            self._let_in(spec.name)  # a caller waits: its parts go now (see _fill)
         return task
 
     def _done(self, name: str, task: asyncio.Task[str]) -> None:
@@ -491,35 +497,127 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        part = part_bytes_for(self.settings, self._link, self._bytes_ahead(key, size))
-        parts = split_parts(size, part)
+        if not self._wanted(key):
+            # A prefetch has its lock and its bytes reserved; its parts wait for slots
+            # to free, behind those of the chunks before it (_pump lets them in).
+            admit = self._admit[key] = asyncio.get_running_loop().create_future()
+            try:
+                self._pump()
+                await admit
+            finally:
+                if self._admit.get(key) is admit:
+                    del self._admit[key]
+        part = part_bytes_for(
+            self.settings, self._link, self._bytes_ahead(key, size), self._spread(key, size)
+        )
+        spans = [Span(start, end) for start, end in split_parts(size, part)]
         if key in self._parts:
-            self._parts[key] = len(parts)
+            self._parts[key] = len(spans)
         hasher = xxhash.xxh3_64() if checksum else None
         clock = self._clocks.get(key) or ProgressClock(self._all)
-        await gather_or_cancel(
-            fetch_range(
-                self.storage,
-                key,
-                start,
-                end,
-                tmp,
-                policy=self._policy,
-                timeout_s=self.settings.timeout_s,
-                slot=functools.partial(self._slot, key, clock),
-                stats=self.stats,
-                hasher=hasher if start == 0 else None,
-                min_bytes_per_s=self.settings.min_bytes_per_s,
-                progress=clock,
-                link=self._link,
+        loop = asyncio.get_running_loop()
+        run = _Run(spans, set(), loop.create_future())
+
+        def launch(span: Span) -> None:
+            task = loop.create_task(
+                fetch_range(
+                    self.storage,
+                    key,
+                    span.start,
+                    span.end,
+                    tmp,
+                    policy=self._policy,
+                    timeout_s=self.settings.timeout_s,
+                    slot=functools.partial(self._slot, key, clock),
+                    stats=self.stats,
+                    hasher=hasher if span.start == 0 else None,
+                    min_bytes_per_s=self.settings.min_bytes_per_s,
+                    progress=clock,
+                    link=self._link,
+                    span=span,
+                )
             )
-            for start, end in parts
-        )
+            task.add_done_callback(functools.partial(self._landed, key))
+            run.tasks.add(task)
+            if not run.wake.done():
+                run.wake.set_result(None)
+
+        run.launch = launch
+        for span in spans:
+            launch(span)
+        self._runs[key] = run
+        try:
+            while run.tasks:
+                run.wake = loop.create_future()
+                done, _ = await asyncio.wait(
+                    [*run.tasks, run.wake], return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    if task is not run.wake:
+                        run.tasks.discard(task)
+                        task.result()  # a part that failed (retries spent) fails the chunk
+        except BaseException:
+            for task in run.tasks:
+                task.cancel()
+            await asyncio.gather(*run.tasks, return_exceptions=True)
+            raise
+        finally:
+            if self._runs.get(key) is run:
+                del self._runs[key]
         if key in self._parts:
             # Landed: its verify and publish (the fsync) overlap the next downloads.
             self._parts[key] = 0
             self._pump()
-        return _Hashed(hasher, parts[0][1]) if hasher is not None else None
+        return _Hashed(hasher, spans[0].end) if hasher is not None else None
+
+    def _landed(self, key: str, task: asyncio.Task[None]) -> None:
+        """One part of ``key`` ended: a part landed frees a slot for the window's next
+        chunk (:meth:`_pump`) or, with none to start, for a straggler's back half."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        if self._parts.get(key, 0) > 0:
+            self._parts[key] -= 1
+        self._pump()
+        self._split_idle()
+
+    def _split_idle(self) -> None:
+        """Give each connection that would idle the back half of what is left of the
+        part with most left to fetch (a straggler), as a ranged GET of its own.
+
+        Only when no chunk of the window waits to start, the process's gate has a free
+        slot nobody queues for, the link is known (a first-byte wait and a rate), and
+        what is left takes at least ``_SPLIT_FIRST_BYTES`` first-byte waits with at least
+        ``_SPLIT_MIN_BYTES`` in each half: the new request's first byte must come well
+        before the old one would have got there. The old request stops at the split
+        point (:meth:`.Span.cut`); each byte is still written once, and the chunk is
+        verified whole as before.
+        """
+        if self._closed or not self._runs:
+            return
+        ttfb, rate = self._link.ttfb_s, self._link.bytes_per_s
+        if ttfb is None or rate is None:
+            return
+        free = min(self._gate.free, self.settings.max_concurrency - self._busy())
+        if self._gate.waiting or self._admit or self._unstarted() or self._coming():
+            return
+        least = max(2 * _SPLIT_MIN_BYTES, int(_SPLIT_FIRST_BYTES * ttfb * rate))
+        while free > 0:
+            best: tuple[int, str, Span] | None = None
+            for key, run in self._runs.items():
+                for span in run.spans:
+                    if span.active and span.left >= least and (best is None or span.left > best[0]):
+                        best = (span.left, key, span)
+            if best is None:
+                return
+            _, key, span = best
+            start, end = span.cut(span.cursor + span.left // 2)
+            rest = Span(start, end)
+            run = self._runs[key]
+            run.spans.append(rest)
+            self._parts[key] = self._parts.get(key, 0) + 1
+            self.stats.splits += 1
+            run.launch(rest)
+            free -= 1
 
     # -- prefetch ------------------------------------------------------------------------
     def _set_hint(self, specs: list[ChunkSpec]) -> None:
@@ -542,16 +640,44 @@ class Downloader:
     def _window(self) -> list[ChunkSpec]:
         return self._queue[: self.settings.prefetch_chunks]
 
+    def _coming(self) -> bool:
+        """A download of this downloader has parts still to come: it has not got to
+        them yet (its lock, its reservation), and will want slots soon."""
+        return any(
+            name not in self._runs and self._parts.get(name) != 0 for name in self._inflight
+        )
+
+    def _unstarted(self) -> bool:
+        """A chunk of the prefetch window is neither downloading nor cached."""
+        return any(
+            s.name not in self._inflight and not self.store.is_cached(s.name, s.size)
+            for s in self._window()
+        )
+
     def _bytes_ahead(self, name: str, size: int) -> int:
         """Bytes of chunk ``name`` (``size``), of the other chunks downloading now, and of
         those of the prefetch window not started and not cached yet: what the part size
         must fill the connections with (see link.py)."""
         self._sizes[name] = size  # forgotten in _done
+        return self._ahead(name, size)
+
+    def _ahead(self, name: str, size: int) -> int:
         ahead = size + sum(self._sizes.get(n, size) for n in self._inflight if n != name)
         for s in self._window():
-            if s.name not in self._inflight and not self.store.is_cached(s.name, s.size):
+            if (
+                s.name != name
+                and s.name not in self._inflight
+                and not self.store.is_cached(s.name, s.size)
+            ):
                 ahead += s.size or size
         return ahead
+
+    def _spread(self, name: str, size: int) -> int | None:
+        """``size`` when chunk ``name`` is read in order by a reader (it hinted what comes
+        next, or this is one of those chunks): its parts then spread over every
+        connection so that it lands before the next (see link.py). None for
+        ``prefetch()``, which has no order to keep."""
+        return size if self._queue or name in self._hinted else None
 
     def _defer(self) -> None:
         """Start no prefetch until the reader asks for a chunk or the retry time passes."""
@@ -594,21 +720,51 @@ class Downloader:
         # earlier chunk's last ones: the chunks landed together, late, the reader waited
         # for the first, and the downloads stopped once the window was in (a cold epoch
         # ran in waves; docs/cache.md, "Where a cold epoch's time goes").
-        busy = sum(self._parts.get(name, 1) for name in self._inflight)
+        # Every chunk of the window starts at once: its lock and the reservation of its
+        # bytes (which may wait for another process) are done ahead. Its parts then wait
+        # to be let in: in the reader's order, when a slot frees (a part counts as busy
+        # until it lands, not until its chunk does) and no part of those before it
+        # queues for one, so its parts queue behind theirs and chunks land in order.
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue
-            need = self._part_count(spec.size)
-            if busy and busy + need > self.settings.max_concurrency:
-                break  # the later ones wait too: chunks land in the order they are read
             self._hinted.add(spec.name)
             self._start(spec)
-            busy += need
+        busy = self._busy()
+        for spec in self._queue:
+            if busy >= self.settings.max_concurrency:
+                break  # the later ones wait too: chunks land in the order they are read
+            if spec.name in self._admit and self._let_in(spec.name):
+                busy += self._parts.get(spec.name, 1)
 
-    def _part_count(self, size: int | None) -> int:
+    def _let_in(self, name: str) -> bool:
+        """Let the parts of a prefetch that waits for slots (in :meth:`_fill`) go."""
+        admit = self._admit.pop(name, None)
+        if admit is None or admit.done():
+            return False
+        admit.set_result(None)
+        return True
+
+    def _busy(self) -> int:
+        """Parts that hold or want a slot now: those not landed of the downloads
+        fetching, and the estimate for a download a caller waits for that has not got
+        to its parts yet. A prefetch waiting to be let in counts nothing."""
+        busy = 0
+        for name in self._inflight:
+            if name in self._runs or (self._wanted(name) and name not in self._admit):
+                busy += self._parts.get(name, 1)
+        return busy
+
+    def _part_count(self, size: int | None, name: str = "") -> int:
         """The parts a chunk of ``size`` bytes is fetched in, as far as known before its
-        download starts (the part size may adapt to the link meanwhile)."""
-        return len(split_parts(size, self.settings.part_bytes)) if size else 1
+        download starts: the part size as adapted to the link now (it may move again
+        before the download gets to its parts)."""
+        if not size:
+            return 1
+        part = part_bytes_for(
+            self.settings, self._link, self._ahead(name, size), self._spread(name, size)
+        )
+        return len(split_parts(size, part))
 
     def _waited_needs_slots(self) -> bool:
         """True while a download some caller waits for may still need a concurrency slot.
@@ -652,6 +808,18 @@ def file_checksum(fd: int, size: int) -> str:
         h.update(block)
         offset += len(block)
     return h.hexdigest()
+
+
+@dataclasses.dataclass
+class _Run:
+    """The parts of one chunk being fetched: their spans (a split appends one), the
+    tasks fetching them, the future that wakes the waiter when one is added, and how to
+    start one (set by :meth:`Downloader._fill`)."""
+
+    spans: list[Span]
+    tasks: set[asyncio.Task[None]]
+    wake: asyncio.Future[None]
+    launch: Any = None
 
 
 @dataclasses.dataclass

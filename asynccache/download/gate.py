@@ -64,6 +64,16 @@ class PriorityGate:
                 self._free -= 1
                 fut.set_result(None)
 
+    @property
+    def free(self) -> int:
+        """Slots nobody holds now."""
+        return self._free
+
+    @property
+    def waiting(self) -> int:
+        """Requests queueing for a slot now."""
+        return len(self._waiters)
+
     def __repr__(self) -> str:
         return f"<PriorityGate free={self._free} waiting={len(self._waiters)}>"
 

@@ -19,7 +19,7 @@ from .retry import RetryPolicy
 from .stats import DownloadStats
 from .writeback import WRITEBACK_BYTES, start_writeback
 
-__all__ = ["Hasher", "fetch_range", "split_parts"]
+__all__ = ["Hasher", "Span", "fetch_range", "split_parts"]
 
 
 class Hasher(Protocol):
@@ -31,6 +31,40 @@ class Hasher(Protocol):
 log = logging.getLogger(__name__)
 
 _ACLOSE_S = 5.0  # the bound on closing an abandoned response
+
+
+class Span:
+    """One part's bytes ``[start, end)`` while it is fetched: ``cursor`` is the next byte
+    to fetch (it survives failed attempts), ``end`` may move down while the part runs
+    (:meth:`cut`: the rest goes to a request of its own), ``active`` says whether a
+    request of it holds a concurrency slot now.
+
+    Invariants: ``start <= cursor <= end``; ``end`` only moves down, never below the
+    cursor; bytes past ``end`` are never written (the request is cut short there).
+    Mutated on the I/O thread only.
+    """
+
+    __slots__ = ("active", "cursor", "end", "start")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.cursor, self.end = start, start, end
+        self.active = False
+
+    @property
+    def left(self) -> int:
+        """Bytes still to fetch."""
+        return self.end - self.cursor
+
+    def cut(self, at: int) -> tuple[int, int]:
+        """End this part at ``at`` (``cursor < at < end``); the range it gives up."""
+        if not self.cursor < at < self.end:
+            raise ValueError(f"cannot cut [{self.cursor}, {self.end}) at {at}")
+        rest, self.end = (at, self.end), at
+        return rest
+
+    def __repr__(self) -> str:
+        state = " active" if self.active else ""
+        return f"<Span [{self.start}, {self.end}) at {self.cursor}{state}>"
 
 
 def split_parts(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -55,8 +89,14 @@ async def fetch_range(
     min_bytes_per_s: int = 0,
     progress: ProgressClock | None = None,
     link: LinkEstimate | None = None,
+    span: Span | None = None,
 ) -> None:
     """Write bytes ``[start, end)`` of ``key`` at the same offsets of ``out``.
+
+    ``span`` (optional; ``Span(start, end)``) shares the part's progress and lets the
+    caller move its end down while it runs (:meth:`Span.cut`): the request in flight
+    stops at the new end (its connection is closed, not drained), and retries ask for
+    ``[cursor, end)`` of the new end only.
 
     ``hasher`` (optional) is fed every byte in order; resuming keeps that true, since a
     retry continues exactly after the last byte fed.
@@ -74,38 +114,42 @@ async def fetch_range(
             the last cause (chained).
         StorageError: non-transient failures (not found, auth) pass through unretried.
     """
-    cursor = [start]  # the next byte to fetch; survives failed attempts (resume)
+    if span is None:
+        span = Span(start, end)  # the next byte to fetch survives failed attempts (resume)
     failures = 0
     while True:
         try:
             async with slot():
                 if progress is not None:
                     progress.moved()  # an attempt starts
-                await _stream(
-                    storage,
-                    key,
-                    cursor,
-                    end,
-                    out,
-                    _Limits(timeout_s, min_bytes_per_s),
-                    stats,
-                    hasher,
-                    progress,
-                    link,
-                )
-            if cursor[0] < end:
+                span.active = True
+                try:
+                    await _stream(
+                        storage,
+                        key,
+                        span,
+                        out,
+                        _Limits(timeout_s, min_bytes_per_s),
+                        stats,
+                        hasher,
+                        progress,
+                        link,
+                    )
+                finally:
+                    span.active = False
+            if span.cursor < span.end:
                 raise TransientError(
-                    f"short body from {storage.object_url(key)}: {cursor[0] - start} of "
-                    f"{end - start} bytes",
+                    f"short body from {storage.object_url(key)}: {span.cursor - start} of "
+                    f"{span.end - start} bytes",
                     url=storage.object_url(key),
                 )
             return
         except TransientError as exc:
             failures += 1
-            delay = next_delay(storage, key, (start, end), failures, exc, policy, stats)
+            delay = next_delay(storage, key, (start, span.end), failures, exc, policy, stats)
             if progress is not None:
                 progress.quiet(delay)  # a bounded sleep, not a stall
-            log.debug("retrying %s at byte %d in %.2fs: %s", key, cursor[0], delay, exc)
+            log.debug("retrying %s at byte %d in %.2fs: %s", key, span.cursor, delay, exc)
             await asyncio.sleep(delay)
 
 
@@ -148,8 +192,7 @@ class _Limits:
 async def _stream(
     storage: Storage,
     key: str,
-    cursor: list[int],
-    end: int,
+    span: Span,
     out: TempFile,
     limits: _Limits,
     stats: DownloadStats,
@@ -157,16 +200,17 @@ async def _stream(
     progress: ProgressClock | None,
     link: LinkEstimate | None = None,
 ) -> None:
-    """One attempt: copy what arrives to ``out``, advancing ``cursor[0]`` as bytes land.
+    """One attempt: copy what arrives to ``out``, advancing ``span.cursor`` as bytes land,
+    up to ``span.end`` as it is when each piece arrives (a cut ends the attempt there).
 
     A complete attempt tells ``link`` its time from the request to the first piece and
     the rate of the bytes after that piece (one connection's rate).
     """
-    pos = cursor[0]
+    pos = span.cursor
     sent = time.monotonic()
     first_at = 0.0  # when the first piece landed
     after_first = pos  # where the bytes after the first piece begin
-    pieces = storage.iter_range(key, pos, end).__aiter__()
+    pieces = storage.iter_range(key, pos, span.end).__aiter__()
     watchdog = _StallWatchdog(limits.timeout_s, limits.min_bytes_per_s)
     # Durable chunks are fsynced at publish: start writing them back as they arrive.
     flushed = pos if out.durable and out.fd is not None else None
@@ -178,13 +222,14 @@ async def _stream(
                 after_first = pos + len(piece)
             if progress is not None:
                 progress.moved(len(piece))
+            end = span.end  # may have moved down since the request went out (a cut)
             if len(piece) > end - pos:
                 piece = piece[: end - pos]
             out.pwrite(piece, pos)
             if hasher is not None:
                 hasher.update(piece)
             pos += len(piece)
-            cursor[0] = pos
+            span.cursor = pos
             stats.bytes += len(piece)
             if flushed is not None and (pos - flushed >= WRITEBACK_BYTES or pos >= end):
                 assert out.fd is not None
@@ -192,7 +237,7 @@ async def _stream(
                 flushed = pos
             if pos >= end:
                 break
-        if link is not None and first_at and pos >= end:
+        if link is not None and first_at and pos >= span.end:
             link.observe(first_at - sent, pos - after_first, time.monotonic() - first_at)
     except asyncio.CancelledError:
         if not watchdog.fired:

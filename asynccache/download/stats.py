@@ -25,6 +25,7 @@ class DownloadStats:
     deferred: int = 0  # prefetches the store deferred: the node's prefetch room was full
     range_gets: int = 0  # range requests for items wanted before their chunk landed
     range_bytes: int = 0  # their bytes (held in memory, never cached)
+    splits: int = 0  # parts whose rest went to a request of its own (a straggler split)
     wait_s: float = 0.0
     busy_s: float = 0.0
     peak_inflight: int = 0

@@ -69,6 +69,8 @@ class Fault:
         methods: only these methods match.
         range: only requests whose ``Range`` header contains this string match (None:
             any, with or without one), e.g. ``"bytes=262144-"`` for one part of a chunk.
+        from_byte: only ranged requests whose range starts at or after this byte match
+            (None: any), e.g. the requests a split sends for the back half of a part.
     """
 
     kind: FaultKind
@@ -83,6 +85,7 @@ class Fault:
     flip_xor: int = 0xFF
     bytes_per_s: int = 1024
     range: str | None = None
+    from_byte: int | None = None
 
     def matches(self, method: str, path: str, rng: str | None = None) -> bool:
         return (
@@ -90,13 +93,24 @@ class Fault:
             and method in self.methods
             and (self.path is None or self.path in path)
             and (self.range is None or (rng is not None and self.range in rng))
+            and (self.from_byte is None or _range_start(rng) >= self.from_byte)
         )
+
+
+def _range_start(rng: str | None) -> int:
+    """The first byte of a ``bytes=S-E`` header; -1 without one (or another form)."""
+    if not rng or not rng.startswith("bytes="):
+        return -1
+    start, _, _ = rng[len("bytes=") :].partition("-")
+    return int(start) if start.isdigit() else -1
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestRecord:
-    """One request the proxy received (``at``: its arrival, ``ended``: when its handler
-    returned or failed, 0.0 while it runs; both ``time.monotonic()``)."""
+    """One request the proxy received (``at``: its arrival, ``first``: when the first
+    body byte was written to the client, ``ended``: when its handler returned or failed;
+    0.0 until then; all ``time.monotonic()``). ``peer``: the client's port (one per
+    connection: tells the requests of one connection, or of one client, apart)."""
 
     method: str
     path: str
@@ -104,6 +118,8 @@ class RequestRecord:
     fault: FaultKind | None
     at: float = 0.0
     ended: float = 0.0
+    first: float = 0.0
+    peer: int = 0
 
 
 class ServerThread:
@@ -199,6 +215,7 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self._log: list[RequestRecord] = []
         self._open = self._peak_open = 0  # requests being answered now, and the most
+        self._first: dict[int, float] = {}  # log index -> first body byte sent, until ended
         self._fired: collections.Counter[FaultKind] = collections.Counter()
         self._link_fired: collections.Counter[LinkKnob] = collections.Counter()
         self.latency_s = 0.0
@@ -327,17 +344,19 @@ class FaultProxy:
             self._peak_open = max(self._peak_open, self._open)
             index = len(self._log)  # where _handle_counted logs it (no await before)
         try:
-            return await self._handle_counted(request)
+            return await self._handle_counted(request, index)
         finally:
             with self._mu:
                 self._open -= 1
+                first = self._first.pop(index, 0.0)
                 if index < len(self._log):
                     rec = self._log[index]
-                    self._log[index] = dataclasses.replace(rec, ended=time.monotonic())
+                    self._log[index] = dataclasses.replace(rec, ended=time.monotonic(), first=first)
 
-    async def _handle_counted(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_counted(self, request: web.Request, index: int) -> web.StreamResponse:
         rng = request.headers.get("Range") or request.headers.get("x-ms-range")
         fault = self._take_fault(request.method, request.path, rng)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
         with self._mu:
             self._log.append(
                 RequestRecord(
@@ -346,6 +365,7 @@ class FaultProxy:
                     rng,
                     fault.kind if fault else None,
                     time.monotonic(),
+                    peer=peer[1] if isinstance(peer, tuple) and len(peer) > 1 else 0,
                 )
             )
         latency, cap = self.latency_s, self.conn_bytes_per_s
@@ -378,7 +398,12 @@ class FaultProxy:
             await resp.prepare(request)
             if request.method == "HEAD":
                 return resp
-            return await self._relay(request, resp, upstream, fault, _Pace(cap))
+            try:
+                return await self._relay(request, resp, upstream, fault, _Pace(cap), index)
+            except ConnectionResetError:
+                # The client closed the connection mid-body (it cut the request short,
+                # or gave up): nothing to answer, and nothing wrong with the proxy.
+                raise asyncio.CancelledError from None
 
     async def _pause(self, delay: float) -> bool:
         """Sleep ``delay`` seconds, or less if the proxy closes; True when it closes."""
@@ -413,11 +438,15 @@ class FaultProxy:
         upstream: aiohttp.ClientResponse,
         fault: Fault | None,
         pace: _Pace,
+        index: int,
     ) -> web.StreamResponse:
         sent = 0
         body = upstream.content
         pieces = body.iter_chunked(_PIECE) if fault is not None else body.iter_any()
         async for piece in pieces:
+            if not sent:
+                with self._mu:
+                    self._first.setdefault(index, time.monotonic())
             if (
                 fault is not None
                 and fault.kind == "flip"

@@ -291,11 +291,12 @@ class _Traced(DictStorage):
 
 
 def test_the_window_starts_a_chunk_when_its_parts_fit_beside_those_in_flight(tmp_path, lt) -> None:
-    """Chunks of 4 parts, 8 connections, 4 chunks hinted: two download at once, and the
-    next starts only when every part of one has landed, so chunks land in the order they
-    are read. Before, every chunk of the window started at once, each slot a part freed
-    went to a later chunk, and the chunks landed together (docs/cache.md, "Where a cold
-    epoch's time goes")."""
+    """Chunks of 4 parts, 8 connections, 4 chunks hinted: the next chunk starts when a
+    part lands and none of the earlier chunks' parts queues for a slot, its own parts
+    taking slots only after theirs, so chunks land in the order they are read. Before,
+    every chunk of the window started at once, each slot a part freed went to a later
+    chunk, and the chunks landed together (docs/cache.md, "Where a cold epoch's time
+    goes")."""
     size, part = 4 << 20, 1 << 20
     objects = _objects(4, size)
     storage = _Traced(objects, hold=("c0.bin", 3 * part))  # c0's last part lands last
@@ -308,10 +309,12 @@ def test_the_window_starts_a_chunk_when_its_parts_fit_beside_those_in_flight(tmp
         starts = {
             k: i for i, (what, k, s) in reversed(list(enumerate(storage.events))) if what == "start"
         }
+        last_start = {k: i for i, (what, k, s) in enumerate(storage.events) if what == "start"}
         last_end = {k: i for i, (what, k, s) in enumerate(storage.events) if what == "end"}
         assert starts["c0.bin"] < starts["c2.bin"] and starts["c1.bin"] < starts["c2.bin"]
-        assert starts["c2.bin"] > last_end["c1.bin"], "c2 started before c1 had landed"
-        assert starts["c3.bin"] > last_end["c2.bin"], "c3 started before c2 had landed"
+        assert starts["c2.bin"] > last_start["c1.bin"], "c2 took a slot before c1's last part"
+        assert starts["c3.bin"] > last_start["c2.bin"], "c3 took a slot before c2's last part"
+        assert last_end["c1.bin"] < last_end["c2.bin"] < last_end["c3.bin"], "out of order"
         assert not store.is_cached("c0.bin") and dl.in_flight("c0.bin")  # the hold fired
     finally:
         storage.release.set()

@@ -1,0 +1,177 @@
+"""One cold epoch through a capped, distant link, GET by GET, beside the bare GET loop.
+
+Where does a cold epoch leave the link below its capacity? ``link_regime.py`` gives the
+ratio; this script gives the time line behind it. Through ``FaultProxy`` (its own
+process, link knobs set as in ``link_regime.py``) it runs, per link, the bare GET loop at
+the epoch's total concurrency (workers x ``MAX_CONCURRENCY``) and one cold epoch with
+the defaults, and prints from the proxy's log:
+
+* every chunk GET of the epoch: arrival, first body byte, end (seconds from the epoch's
+  start), its chunk, range and client port;
+* requests open in steps of ``--step-ms``, the epoch beside the bare loop (its clock
+  starts at its first GET), with the epoch's first batch and end marked;
+* the byte-seconds the link lost: for each step, allowed connections minus those open,
+  summed (connection-seconds idle), split into before the first chunk GET, while
+  GETs run, and after the last byte.
+
+    python benchmarks/link_timeline.py [--total-mb 256] [--chunk-mb 64] [--links 20:4 50:8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import limits
+from link_regime import ProxyProcess, _bare, _options, _parse_link
+from streaming_epoch import serve
+
+from asynccache import CacheDataLoader, Settings, StreamingDataset
+from asynccache.download.link import forget
+from asynccache.testing import ObjectStore
+
+
+def _gets(records: list[Any], t0: float) -> list[tuple[float, float, float, str, str, int]]:
+    out = []
+    for r in records:
+        if r.method != "GET" or not r.path.endswith(".bin"):
+            continue
+        end = r.ended or r.at
+        out.append(
+            (
+                r.at - t0,
+                (r.first or end) - t0,
+                end - t0,
+                r.path.rsplit("/", 1)[-1],
+                r.range or "",
+                r.peer,
+            )
+        )
+    return sorted(out)
+
+
+def _open_at(gets: list[tuple[float, float, float, str, str, int]], t: float) -> int:
+    return sum(1 for a, _, e, *_ in gets if a <= t < e)
+
+
+def _epoch(
+    served: Any, endpoint: str, settings: Settings, cache: Path, batch: int, workers: int
+) -> tuple[float, float, float]:
+    shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.monotonic()
+    ds = StreamingDataset(
+        served.url, cache_dir=cache, storage_options=_options(served, endpoint), settings=settings
+    )
+    loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
+    first, items = 0.0, 0
+    for b in loader:
+        if not items:
+            first = time.monotonic() - t0
+        items += len(b)
+    end = time.monotonic() - t0
+    assert items == served.n_items
+    del loader, ds
+    shutil.rmtree(cache, ignore_errors=True)
+    return t0, first, end
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--total-mb", type=int, default=256)
+    ap.add_argument("--chunk-mb", type=int, default=64)
+    ap.add_argument("--item-kb", type=int, default=100)
+    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--bare-part-mib", type=int, default=8)
+    ap.add_argument("--step-ms", type=int, default=100)
+    ap.add_argument("--list", action="store_true", help="print every GET")
+    args = ap.parse_args()
+    settings = Settings.from_env(progress=False)
+    conc = args.workers * settings.max_concurrency
+    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
+    print(
+        f"load {limits.loadavg()}; {args.total_mb} MiB of {args.item_kb} KiB items in "
+        f"{args.chunk_mb} MiB chunks, {args.workers} workers, {conc} connections allowed"
+    )
+    try:
+        with ObjectStore(volume_size_limit_mb=1024) as store:
+            served = serve(
+                store,
+                work,
+                args.total_mb << 20,
+                args.item_kb << 10,
+                args.chunk_mb << 20,
+                args.bare_part_mib << 20,
+            )
+            proxy = ProxyProcess(store.endpoint_url)
+            try:
+                for text in args.links:
+                    link = _parse_link(text)
+                    proxy.set_link(link.latency_s, link.cap)
+                    forget(proxy.url.rstrip("/"))
+                    _one(link.name, served, proxy, settings, args, work, conc)
+            finally:
+                proxy.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"load {limits.loadavg()}")
+
+
+def _one(
+    name: str,
+    served: Any,
+    proxy: ProxyProcess,
+    settings: Settings,
+    args: argparse.Namespace,
+    work: Path,
+    conc: int,
+) -> None:
+    seen = len(proxy.records())
+    tb = time.monotonic()
+    bare_s = _bare(served, proxy.url, served.parts, conc)
+    bare = _gets(proxy.records()[seen:], tb)
+    b0 = min(a for a, *_ in bare)
+    bare = [(a - b0, f - b0, e - b0, *rest) for a, f, e, *rest in bare]
+    seen = len(proxy.records())
+    t0, first, end = _epoch(served, proxy.url, settings, work / "cache", args.batch, args.workers)
+    ep = _gets(proxy.records()[seen:], t0)
+    last = max(e for *_, e, _, _, _ in [(a, f, e, c, r, p) for a, f, e, c, r, p in ep])
+    print(
+        f"\n== {name}: bare loop {bare_s:.2f} s ({len(bare)} GETs); cold epoch {end:.2f} s "
+        f"(ratio {bare_s / end:.2f}), first batch {first:.2f} s, {len(ep)} chunk GETs, "
+        f"first GET at {min(a for a, *_ in ep):.2f} s, last byte {last:.2f} s; "
+        f"load {limits.loadavg()}"
+    )
+    if args.list:
+        print("  at     first  end    dur   chunk            range                 port")
+        for a, f, e, c, r, p in ep:
+            print(f"  {a:6.3f} {f:6.3f} {e:6.3f} {e - a:5.2f} {c:16s} {r:21s} {p}")
+    step = args.step_ms / 1e3
+    print(f"  open requests every {args.step_ms} ms (allowed {conc}): t  epoch  bare")
+    idle = {"before": 0.0, "during": 0.0, "after": 0.0}
+    first_get = min(a for a, *_ in ep)
+    t = 0.0
+    while t < max(end, bare_s):
+        o, ob = _open_at(ep, t), _open_at(bare, t)
+        mark = " <- first batch" if t <= first < t + step else ""
+        mark += " <- epoch ends" if t <= end < t + step else ""
+        print(f"  {t:5.2f} {o:4d} {ob:4d} {'#' * o}{mark}")
+        if t < end:
+            phase = "before" if t < first_get else "during" if t < last else "after"
+            idle[phase] += (conc - min(o, conc)) * step
+        t += step
+    print(
+        "  connection-seconds idle in the epoch: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in idle.items())
+        + f" (the bare loop's whole run: "
+        f"{conc * bare_s:.1f} connection-seconds)"
+    )
+
+
+if __name__ == "__main__":
+    main()
