@@ -268,10 +268,13 @@ class DatasetSource:
         spec = self.spec(ci)
         self.send_hint()
         self._advance(conn, dl, ci)
-        if not dl.in_flight(spec.name) and dl.store.is_cached(spec.name, spec.size):
-            # Here already (a warm cache): pinned without a round trip to the I/O thread,
-            # which costs milliseconds per chunk on a busy machine. A download still in
-            # flight is waited for below (it finishes its bookkeeping after publishing).
+        if dl.store.held(spec.name) or (
+            not dl.in_flight(spec.name) and dl.store.is_cached(spec.name, spec.size)
+        ):
+            # Here already (a warm cache, or downloaded and verified here, its publish under
+            # way): pinned without a round trip to the I/O thread, which costs milliseconds
+            # per chunk on a busy machine. A download still in flight is waited for below
+            # (it finishes its bookkeeping after publishing).
             path = dl.store.pin(spec.name)
             if path is not None:
                 dl.note_hit(spec.name)

@@ -96,7 +96,7 @@ def test_a_reader_maps_its_chunk_before_the_publish(tmp_path, url, monkeypatch) 
         assert store is not None
         name = src.index.filename(0)
         final = store.path(name)
-        assert gate.entered.is_set() and not gate.open.is_set()
+        assert gate.entered.wait(_WAIT_S) and not gate.open.is_set()  # the publish runs
         assert not final.exists()  # read before the final name existed
         assert src.landed(0)
         [temp] = _temps(store)
