@@ -428,6 +428,8 @@ def analyse(
             s = open_.pop((who, "batch"), None)
             if s is not None:
                 bat[who].append((s, t))
+        elif kind == "part_q":
+            chunk[f[0]].setdefault("first_q", t)  # locked, reserved: its parts queue
         elif kind == "part_go":
             open_[(who, "part" + f[0] + f[1])] = t
             chunk[f[0]].setdefault("first_go", t)
@@ -516,7 +518,8 @@ def analyse(
         )
     # Chunks.
     say(
-        "\nchunks (s from the epoch start): who, download start, first part sent, last part "
+        "\nchunks (s from the epoch start): who, download start, first part queued (its "
+        "download lock held, its file reserved), first part sent, last part "
         "landed, verify start-end, readable here (adopted; - if not), publish start-end, "
         "first needed by its reader, readable to that reader - needed"
     )
@@ -537,7 +540,7 @@ def analyse(
         lag = f"{ready - n:+.2f}" if n is not None and ready is not None else "-"
         say(
             f"  {name} {c.get('who', '?')}: {c.get('start', float('nan')):.2f} "
-            f"{c.get('first_go', float('nan')):.2f} {c.get('last_out', float('nan')):.2f} "
+            f"{c.get('first_q', float('nan')):.2f} {c.get('first_go', float('nan')):.2f} {c.get('last_out', float('nan')):.2f} "
             f"{c.get('verify', float('nan')):.2f}-{c.get('verified', float('nan')):.2f} "
             f"{f'{adopted:.2f}' if adopted is not None else '-'} "
             f"{c.get('publish', float('nan')):.2f}-"
