@@ -136,7 +136,6 @@ class Downloader:
         self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
         self._runs: dict[str, _Run] = {}  # the parts of each download receiving (_split_idle)
-        self._admit: dict[str, asyncio.Future[None]] = {}  # prefetches ready for slots (_pump)
         self._all = ProgressClock()  # moves with any download of this downloader
         self._clocks: dict[str, ProgressClock] = {}  # one per download in flight
         self.stall_s = settings.timeout_s + settings.backoff_max_s + _STALL_SLACK_S
@@ -381,9 +380,10 @@ class Downloader:
                 clock.queued -= 1
                 queued = False
                 clock.held += 1
-                if not clock.queued and self._wanted(name):
-                    # A waited download holds all the slots it asked for: spare ones
-                    # may prefetch (see _waited_needs_slots), once its parts are all out.
+                if not clock.queued:
+                    # A download holds all the slots it asked for: the window's next
+                    # chunk may start (see _pump), and if a caller waits for this one,
+                    # spare slots may prefetch (see _waited_needs_slots).
                     asyncio.get_running_loop().call_soon(self._pump)
                 try:
                     yield
@@ -405,8 +405,6 @@ class Downloader:
             self._inflight[spec.name] = task
             self._parts[spec.name] = self._part_count(spec.size, spec.name)  # _fill: exactly
             task.add_done_callback(functools.partial(self._done, spec.name))
-        if self._wanted(spec.name):
-            self._let_in(spec.name)  # a caller waits: its parts go now (see _fill)
         return task
 
     def _done(self, name: str, task: asyncio.Task[str]) -> None:
@@ -497,19 +495,7 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        if not self._wanted(key):
-            # A prefetch has its lock and its bytes reserved; its parts wait for slots
-            # to free, behind those of the chunks before it (_pump lets them in).
-            admit = self._admit[key] = asyncio.get_running_loop().create_future()
-            try:
-                self._pump()
-                await admit
-            finally:
-                if self._admit.get(key) is admit:
-                    del self._admit[key]
-        part = part_bytes_for(
-            self.settings, self._link, self._bytes_ahead(key, size), self._spread(key, size)
-        )
+        part = part_bytes_for(self.settings, self._link, self._bytes_ahead(key, size))
         spans = [Span(start, end) for start, end in split_parts(size, part)]
         if key in self._parts:
             self._parts[key] = len(spans)
@@ -597,8 +583,9 @@ class Downloader:
         ttfb, rate = self._link.ttfb_s, self._link.bytes_per_s
         if ttfb is None or rate is None:
             return
-        free = min(self._gate.free, self.settings.max_concurrency - self._busy())
-        if self._gate.waiting or self._admit or self._unstarted() or self._coming():
+        busy = sum(self._parts.get(name, 1) for name in self._inflight)
+        free = min(self._gate.free, self.settings.max_concurrency - busy)
+        if self._gate.waiting or self._unstarted() or self._short_of_slots():
             return
         least = max(2 * _SPLIT_MIN_BYTES, int(_SPLIT_FIRST_BYTES * ttfb * rate))
         while free > 0:
@@ -640,13 +627,6 @@ class Downloader:
     def _window(self) -> list[ChunkSpec]:
         return self._queue[: self.settings.prefetch_chunks]
 
-    def _coming(self) -> bool:
-        """A download of this downloader has parts still to come: it has not got to
-        them yet (its lock, its reservation), and will want slots soon."""
-        return any(
-            name not in self._runs and self._parts.get(name) != 0 for name in self._inflight
-        )
-
     def _unstarted(self) -> bool:
         """A chunk of the prefetch window is neither downloading nor cached."""
         return any(
@@ -671,13 +651,6 @@ class Downloader:
             ):
                 ahead += s.size or size
         return ahead
-
-    def _spread(self, name: str, size: int) -> int | None:
-        """``size`` when chunk ``name`` is read in order by a reader (it hinted what comes
-        next, or this is one of those chunks): its parts then spread over every
-        connection so that it lands before the next (see link.py). None for
-        ``prefetch()``, which has no order to keep."""
-        return size if self._queue or name in self._hinted else None
 
     def _defer(self) -> None:
         """Start no prefetch until the reader asks for a chunk or the retry time passes."""
@@ -720,40 +693,37 @@ class Downloader:
         # earlier chunk's last ones: the chunks landed together, late, the reader waited
         # for the first, and the downloads stopped once the window was in (a cold epoch
         # ran in waves; docs/cache.md, "Where a cold epoch's time goes").
-        # Every chunk of the window starts at once: its lock and the reservation of its
-        # bytes (which may wait for another process) are done ahead. Its parts then wait
-        # to be let in: in the reader's order, when a slot frees (a part counts as busy
-        # until it lands, not until its chunk does) and no part of those before it
-        # queues for one, so its parts queue behind theirs and chunks land in order.
+        # The window in parts, not only chunks: a prefetch starts when its parts fit in
+        # the concurrency limit beside the parts not landed of the downloads in flight
+        # (each part counts until it lands, not until its whole chunk does). Started all
+        # at once, the window's chunks queued their parts behind each other and every
+        # slot a part freed went to a later chunk, whose parts then shared the link with
+        # the earlier chunk's last ones: the chunks landed together, late (a cold epoch
+        # ran in waves; docs/cache.md, "Where a cold epoch's time goes"). Started ahead
+        # of room for its parts, a chunk holds its lock while they wait, and another
+        # process reading it waits too: a chunk one worker needs a few items of came
+        # after that worker's own chunks, and the worker it belonged to waited for it.
+        busy = sum(self._parts.get(name, 1) for name in self._inflight)
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
                 continue
+            need = self._part_count(spec.size, spec.name)
+            if busy and busy + need > self.settings.max_concurrency:
+                break  # the later ones wait too: chunks land in the order they are read
             self._hinted.add(spec.name)
             self._start(spec)
-        busy = self._busy()
-        for spec in self._queue:
-            if busy >= self.settings.max_concurrency:
-                break  # the later ones wait too: chunks land in the order they are read
-            if spec.name in self._admit and self._let_in(spec.name):
-                busy += self._parts.get(spec.name, 1)
+            busy += self._parts.get(spec.name, need)
 
-    def _let_in(self, name: str) -> bool:
-        """Let the parts of a prefetch that waits for slots (in :meth:`_fill`) go."""
-        admit = self._admit.pop(name, None)
-        if admit is None or admit.done():
-            return False
-        admit.set_result(None)
-        return True
-
-    def _busy(self) -> int:
-        """Parts that hold or want a slot now: those not landed of the downloads
-        fetching, and the estimate for a download a caller waits for that has not got
-        to its parts yet. A prefetch waiting to be let in counts nothing."""
-        busy = 0
+    def _short_of_slots(self) -> bool:
+        """A download in flight has parts that hold no slot yet: it has not got to its
+        parts (lock, reservation), or some queue for a slot."""
         for name in self._inflight:
-            if name in self._runs or (self._wanted(name) and name not in self._admit):
-                busy += self._parts.get(name, 1)
-        return busy
+            if self._parts.get(name) == 0:
+                continue  # landed: verifying, publishing
+            clock = self._clocks.get(name)
+            if name not in self._runs or clock is None or clock.queued:
+                return True
+        return False
 
     def _part_count(self, size: int | None, name: str = "") -> int:
         """The parts a chunk of ``size`` bytes is fetched in, as far as known before its
@@ -761,9 +731,7 @@ class Downloader:
         before the download gets to its parts)."""
         if not size:
             return 1
-        part = part_bytes_for(
-            self.settings, self._link, self._ahead(name, size), self._spread(name, size)
-        )
+        part = part_bytes_for(self.settings, self._link, self._ahead(name, size))
         return len(split_parts(size, part))
 
     def _waited_needs_slots(self) -> bool:

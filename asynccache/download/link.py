@@ -67,7 +67,6 @@ def choose_part_bytes(
     ttfb_s: float | None,
     bytes_per_s: float | None,
     bounds: PartBounds = PartBounds(),
-    chunk_bytes: int | None = None,
 ) -> int:
     """The part size for the next chunk, with ``bytes_ahead`` bytes of chunks to fetch
     (this one, those downloading, and those due next).
@@ -84,23 +83,14 @@ def choose_part_bytes(
       parts as connections: with fewer requests than connections out, the link's
       throughput falls with every part taken away, and the bytes ahead overstate what is
       left to fetch (chunks downloading count whole, and a prefetch starts only when its
-      parts fit beside those in flight);
-    * **spread** (with ``chunk_bytes``, the size of this chunk, for a reader that reads
-      chunks in order): parts no larger than ``chunk_bytes / concurrency``, rounded up
-      to ``bounds.align``, so the chunk goes out on every connection and lands before
-      the next one's parts take the connections, instead of two or more chunks landing
-      together at the end of their shared time (the reader uses the first meanwhile).
-      The first-byte rule still holds parts up where a first byte is costly.
+      parts fit beside those in flight).
 
     The result is clamped to ``bounds`` and aligned down to ``bounds.align`` (never below
     ``bounds.lo``). With no estimate yet (``ttfb_s`` or ``bytes_per_s`` None), only the
-    fill and spread rules apply.
+    fill rule applies.
     """
     fill = max(bytes_ahead, 1) / max(concurrency, 1)
     part = min(float(start), fill)
-    if chunk_bytes:
-        spread = -(-chunk_bytes // (max(concurrency, 1) * bounds.align)) * bounds.align
-        part = min(part, float(spread))
     if ttfb_s is not None and bytes_per_s is not None:
         wanted = FIRST_BYTE_SHARE * ttfb_s * bytes_per_s
         part = max(part, min(wanted, max(float(start), fill / 2)))
@@ -159,7 +149,6 @@ class LinkEstimate:
         bytes_ahead: int,
         concurrency: int,
         bounds: PartBounds = PartBounds(),
-        chunk_bytes: int | None = None,
     ) -> int:
         """:func:`choose_part_bytes` with this link's estimate."""
         return choose_part_bytes(
@@ -169,7 +158,6 @@ class LinkEstimate:
             ttfb_s=self.ttfb_s,
             bytes_per_s=self.bytes_per_s,
             bounds=bounds,
-            chunk_bytes=chunk_bytes,
         )
 
     def _after_fork_in_child(self) -> None:
@@ -184,26 +172,19 @@ class LinkEstimate:
         )
 
 
-def part_bytes_for(
-    settings: Settings, link: LinkEstimate, bytes_ahead: int, chunk_bytes: int | None = None
-) -> int:
+def part_bytes_for(settings: Settings, link: LinkEstimate, bytes_ahead: int) -> int:
     """The part size of a chunk that a downloader starts now, with ``bytes_ahead`` bytes
     of chunks downloading or due next (this one included): ``settings.part_bytes`` when
     it is fixed, else chosen from ``link``.
 
     ``bytes_ahead`` is what there is to fill the connections with: at the start of an
     epoch (before the reader's hint) and at its end it is one or two chunks, and their
-    parts are made small enough to give every connection one. ``chunk_bytes`` (this
-    chunk's size, for a reader reading chunks in order) spreads the chunk over every
-    connection (see :func:`choose_part_bytes`).
+    parts are made small enough to give every connection one.
     """
     if not settings.adaptive_parts:
         return settings.part_bytes
     return link.part_bytes(
-        settings.part_bytes,
-        bytes_ahead=bytes_ahead,
-        concurrency=settings.max_concurrency,
-        chunk_bytes=chunk_bytes,
+        settings.part_bytes, bytes_ahead=bytes_ahead, concurrency=settings.max_concurrency
     )
 
 

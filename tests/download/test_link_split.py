@@ -111,7 +111,9 @@ def test_a_straggler_is_split_onto_idle_connections(tmp_path, lt, http_origin, c
     assert gets[:2] == [(0, BIG), (BIG, BIG + SMALL)]  # the parts as first sent
     split = sorted(gets[2:])
     assert len(split) == stats.splits and all(0 < s < e <= BIG for s, e in split)
-    assert all(a[1] <= b[0] for a, b in itertools.pairwise(split)), "overlap"
+    # A split-off range may itself be split later: requests overlap as asked, never as
+    # received (the byte counter above); each starts at a cut point of its own.
+    assert len({s for s, _ in split}) == len(split)
     assert stats.retries == 0
 
 
@@ -148,43 +150,46 @@ def test_a_split_part_that_fails_retries_only_its_range(tmp_path, lt, http_origi
     assert gets.count((0, BIG)) == 1 and gets.count((BIG, BIG + SMALL)) == 1
 
 
-def test_the_window_reserves_ahead_and_lets_parts_in_by_slots(
+def test_the_window_starts_a_chunk_as_parts_of_the_one_before_land(
     tmp_path, lt, http_origin, chunks
 ) -> None:
-    """Three hinted chunks of 4 parts on 4 connections: all three start at once (lock and
-    reservation ahead), but a chunk's parts go out only when slots free behind the
-    chunk before it: no chunk's first request precedes the last of the one before."""
+    """Three hinted chunks of 4 parts on 6 connections, the first chunk's last part
+    paused for 1 s: the second chunk starts once parts of the first have landed (its 4
+    parts then fit beside those left), not when the whole first chunk has; the third
+    waits for room the same way. Every chunk arrives intact, each byte once."""
     src, data = chunks
     names = ["chunk-0-1.bin", "chunk-0-2.bin", "chunk-0-3.bin"]
     with FaultProxy(http_origin(src).url, conn_bytes_per_s=4 * RATE) as proxy:
+        proxy.add_fault(
+            Fault("slow", path=names[0], from_byte=3 * MiB, after_bytes=64 << 10, stall_s=1.0)
+        )
         dl, store = _downloader(
             tmp_path,
             lt,
             proxy.url,
-            max_concurrency=4,
+            max_concurrency=6,
             part_bytes=MiB,
             adaptive_parts=False,
             prefetch_chunks=3,
         )
         try:
             dl.hint([ChunkSpec(n, len(data[n][0]), data[n][1]) for n in names])
-            started_together = False
             deadline = time.monotonic() + 30
             while not all(store.is_cached(n) for n in names):
                 assert time.monotonic() < deadline, "the window did not land"
-                if all(dl.in_flight(n) for n in names) and not _gets(proxy, names[2]):
-                    started_together = True  # the last one reserved, none of its parts out
-                time.sleep(0.005)
+                time.sleep(0.01)
             stats = dl.snapshot()
         finally:
             dl.close()
-        order = [n for r in proxy.requests for n in names if n in r.path and r.method == "GET"]
-    assert started_together
+        reqs = [r for r in proxy.requests if r.method == "GET"]
+        assert proxy.fired("slow") == 1
     assert stats.chunks_fetched == 3 and stats.bytes == sum(len(data[n][0]) for n in names)
     for before, after in itertools.pairwise(names):
-        last = max(i for i, n in enumerate(order) if n == before)
-        first = min(i for i, n in enumerate(order) if n == after)
-        assert last < first, order
+        ends = sorted(r.ended for r in reqs if before in r.path)
+        first = min(r.at for r in reqs if after in r.path)
+        assert len(ends) == 4 and ends[0] < first, "started before any part of the one before"
+        if before == names[0]:  # its paused part ends 1 s after the others
+            assert first < ends[-1], "waited for the whole chunk before it"
     for n in names:
         with open(store.path(n), "rb") as f:
             assert f.read() == data[n][0]
