@@ -31,6 +31,7 @@ from .errors import (
     UnsafePathError,
     UnsupportedVersionError,
     WorkerDiedError,
+    WorkerStartError,
     WriteConflictError,
 )
 from .optimize import OptimizeResult, optimize
@@ -115,6 +116,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UploadSummary",
     "WorkerDiedError",
+    "WorkerStartError",
     "WriteConflictError",
     "__version__",
     "optimize",

@@ -28,6 +28,7 @@ Each class also inherits the builtin a caller would already catch, so
     ├── InputFailedError (RuntimeError)    optimize's fn raised on an input (named)
     │   └── InputTimeoutError (TimeoutError)  fn ran past optimize's input_timeout_s (named)
     ├── WorkerDiedError (RuntimeError)     an optimize worker process died; a rerun resumes
+    ├── WorkerStartError (TimeoutError)    a DataLoader's workers did not start in time
     └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
 
 Lower-layer exceptions are translated at the layer boundary and always chained
@@ -62,6 +63,7 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedVersionError",
     "WorkerDiedError",
+    "WorkerStartError",
     "WriteConflictError",
 ]
 
@@ -185,6 +187,11 @@ class InputTimeoutError(InputFailedError, TimeoutError):
 
 class WorkerDiedError(AsyncCacheError, RuntimeError):
     """An ``optimize`` worker process died (killed, out of memory); a rerun resumes."""
+
+
+class WorkerStartError(AsyncCacheError, TimeoutError):
+    """A DataLoader's worker processes did not start within the bound (the message names
+    the loader's start method, its worker count and the bound)."""
 
 
 class ResumeStateError(AsyncCacheError, ValueError):

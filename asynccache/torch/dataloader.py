@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -15,7 +16,7 @@ from torch.utils.data._utils import signal_handling
 
 from ..cache.usage import scan
 from ..config import Settings
-from ..errors import ConfigError, ResumeStateError
+from ..errors import ConfigError, ResumeStateError, WorkerStartError
 from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
@@ -47,24 +48,55 @@ STATE_VERSION = 1
 
 # The most a batch built in the main process delays the start of the workers.
 _START_AFTER_S = 1.0
+# The most starting a DataLoader's workers (``iter()`` of the inner loader) may take: a
+# fork is milliseconds; spawn and forkserver hand the pickled dataset to fresh
+# interpreters (the fork server may have to start first, importing torch).
+_WORKERS_START_S = 120.0
 
 
 def _identity(batch: Any) -> Any:
     return batch
 
 
-def _lazy(batches: Iterable[Any]) -> Iterator[Any]:
-    """Iterate ``batches`` only when the first batch is asked for (DataLoader workers
-    start then, not at ``iter()``)."""
-    yield from batches
+def _lazy(loader: Iterable[Any]) -> Iterator[Any]:
+    """Iterate ``loader`` only when the first batch is asked for (DataLoader workers
+    start then, not at ``iter()``); its workers end with the epoch (see :func:`_ended`)."""
+    it = iter(loader)
+    with _ended(loader, it):
+        yield from it
+
+
+@contextlib.contextmanager
+def _ended(loader: Any, it: Iterator[Any]) -> Iterator[None]:
+    """Shut down the workers of ``it`` (an iterator of ``loader``) when the epoch ends by
+    an error or is closed, not when the iterator is collected.
+
+    An error's traceback holds the iterator (torch's frames have it as ``self``), and a
+    caller keeping the error (a test, a log) keeps it in a reference cycle. The cycle
+    collector then clears the weak references of its queues before it calls its
+    ``__del__``: their feeder threads are gone, the end-of-work signal never reaches the
+    workers, and torch waits 5 s for each before killing it. Shut down here, they get
+    it at once. (A persistent loader keeps its workers for the next epoch.)"""
+    try:
+        yield
+    except BaseException:
+        if not getattr(loader, "persistent_workers", False):
+            _shut_down(it)
+        raise
 
 
 def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     """At the first batch asked for: build the first batches here (up to
     ``_LEAD_BATCHES``, one per worker, their items read in one round), hand them over
-    while a thread starts the workers, then the workers' batches, which begin after
-    them. The order of batches and the states taken between them are those of an epoch
-    whose workers made every batch."""
+    while the workers start, then the workers' batches, which begin after them. The
+    order of batches and the states taken between them are those of an epoch whose
+    workers made every batch.
+
+    Cold (items read by range), a thread forks the workers once the batches are built:
+    forking holds the interpreter lock, which the I/O thread's range reads need. Warm
+    (every chunk cached, nothing to wait for) the workers are forked first, here, and
+    each batch is built when asked for, while they start up on the other core: built
+    first, the batches were serial work before every worker's start."""
     runs = ds._lead()
     if runs is None:
         yield from loader
@@ -73,9 +105,20 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     if threading.current_thread() is threading.main_thread():
         # torch installs its handler reporting a dead worker only from the main thread.
         signal_handling._set_SIGCHLD_handler()
+    if ds._lead_cached(runs):
+        try:
+            workers = iter(loader)  # forks (or spawns) the workers
+            with _ended(loader, workers):
+                for keys in runs:  # each built when asked for: the workers are starting
+                    yield ds._lead_batch(keys)  # (the consumer's now)
+                yield from workers
+        finally:
+            ds._lead_done(no)  # (the workers end with their iterator)
+        return
     started: list[Iterator[Any]] = []
     failed: list[BaseException] = []
     go = threading.Event()  # set: the batch is built (or building it failed)
+    late = threading.Event()  # set: the workers' start ran past its bound
     built: list[bool] = []
 
     def start() -> None:
@@ -86,9 +129,14 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         if go.is_set() and not built:
             return  # building it failed: nothing to start
         try:
-            started.append(iter(loader))  # forks (or spawns) the workers
+            it = iter(loader)  # forks (or spawns) the workers
         except BaseException as exc:  # raised to the consumer at the next batch
             failed.append(exc)
+            return
+        started.append(it)
+        if late.is_set():  # the consumer gave up waiting: nobody will read them
+            _shut_down(it)
+            started.clear()
 
     starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
     starter.start()
@@ -101,15 +149,43 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         go.set()  # the workers start while the consumer has the first batch
         while ready:
             yield ready.pop(0)  # (the consumer's now)
-        starter.join()  # bounded: starting the workers
+        _join_started(starter, loader, late)
         if failed:
             raise failed[0]
-        yield from started[0]
+        with _ended(loader, started[0]):
+            yield from started[0]
     finally:
         go.set()
-        starter.join()
+        starter.join(_WORKERS_START_S)  # (past it, workers started later are shut down)
+        late.set()
         started.clear()  # (the workers end with their iterator)
         ds._lead_done(no)
+
+
+def _join_started(
+    starter: threading.Thread, loader: DataLoader[Any], late: threading.Event
+) -> None:
+    """Wait for ``starter`` to have started ``loader``'s workers, at most
+    ``_WORKERS_START_S``; past it, raise :class:`WorkerStartError` (workers it starts
+    later are shut down at once)."""
+    starter.join(_WORKERS_START_S)
+    if not starter.is_alive():
+        return
+    late.set()
+    ctx = loader.multiprocessing_context
+    method = ctx.get_start_method() if ctx is not None else "the default start method"
+    raise WorkerStartError(
+        f"the DataLoader's {loader.num_workers} worker processes ({method}) did not start "
+        f"within {_WORKERS_START_S:g} s; the batches built in the main process were handed "
+        "out, the rest of the epoch has no workers to come from"
+    )
+
+
+def _shut_down(it: Iterator[Any]) -> None:
+    """End the worker processes of a DataLoader iterator nobody reads."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 class _ByKey(Dataset[Any]):

@@ -9,8 +9,12 @@ every stop, resumed anywhere; range-read items compared with their chunks.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import threading
+import time
+from multiprocessing.context import ForkContext, ForkProcess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset
+import asynccache.torch.dataloader as loader_module
+from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset, WorkerStartError
 from asynccache.config import Settings
 from asynccache.format import ChunkView
 from asynccache.testing.faults import Fault, FaultProxy
@@ -199,3 +204,84 @@ def test_workers_started_after_a_led_epoch_read_whole_epochs(fixed):
     assert ds._led == 1 and ds._head == 0
     plain = DataLoader(ds, batch_size=None, num_workers=2)  # whole batches, as published
     assert sorted(k for b in plain for k in _keys(b)) == list(range(23))
+
+
+# -- when the workers start ----------------------------------------------------------------
+def _pids_file(path: Path) -> Any:
+    def note(_: int) -> None:  # (in each worker)
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    return note
+
+
+def _worker_pids(path: Path) -> set[int]:
+    return {int(x) for x in path.read_text().split()}
+
+
+def test_warm_workers_are_forked_before_the_batches_built_here(fixed, tmp_path, monkeypatch):
+    """Every chunk at hand (nothing read by range): the workers are forked first and the
+    main process builds its batches while they start up; the batches are the plain run's."""
+    alive: list[set[int]] = []
+    build = StreamingDataset._lead_batch
+
+    def spy(self: StreamingDataset, keys: Any) -> Any:
+        alive.append({p.pid for p in multiprocessing.active_children()})
+        return build(self, keys)
+
+    monkeypatch.setattr(StreamingDataset, "_lead_batch", spy)
+    pids = tmp_path / "pids"
+    runs = {}
+    for here in (True, False):
+        ds = _ds(fixed, here)
+        dl = CacheDataLoader(ds, batch_size=4, num_workers=2, worker_init_fn=_pids_file(pids))
+        runs[here] = ([_keys(b) for b in dl], ds._led)
+        if here:
+            workers = _worker_pids(pids)
+    assert runs[True][0] == runs[False][0] and runs[True][1] == 1 and runs[False][1] == 0
+    assert len(alive) == 2 and len(workers) == 2
+    assert all(workers <= now for now in alive), (workers, alive)
+
+
+class _HeldProcess(ForkProcess):
+    """A fork-started process whose start waits for ``release`` (at most 30 s)."""
+
+    release = threading.Event()
+
+    def start(self) -> None:
+        if not type(self).release.wait(30):
+            raise RuntimeError("never released")
+        super().start()
+
+
+class _HeldFork(ForkContext):
+    Process = _HeldProcess  # type: ignore[assignment]
+
+
+def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
+    remote, objstore, tmp_path, monkeypatch
+):
+    """Cold, the workers start in a thread after the batches built here; a start that
+    outlasts its bound raises WorkerStartError at the next batch instead of waiting on
+    forever, and workers that start after that are shut down."""
+    monkeypatch.setattr(loader_module, "_WORKERS_START_S", 0.5)
+    monkeypatch.setattr(_HeldProcess, "release", threading.Event())
+    before = {p.pid for p in multiprocessing.active_children()}
+    ds = _ds(remote, True, cache_dir=tmp_path / "c", storage_options=objstore.storage_options)
+    dl = CacheDataLoader(ds, batch_size=BS, num_workers=2, multiprocessing_context=_HeldFork())
+    it = iter(dl)
+    got = [next(it), next(it)]  # the two built here (cold: by range)
+    assert ds._led == 1 and ds.source.stats.range_gets > 0
+    with pytest.raises(WorkerStartError, match=r"2 worker processes \(fork\) did not start"):
+        next(it)
+    _HeldProcess.release.set()
+    deadline = time.monotonic() + 60
+    while any(t.name == "asynccache-workers" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the thread starting the workers did not end"
+        time.sleep(0.02)
+    # The late workers were shut down at once: none of them is left.
+    while {p.pid for p in multiprocessing.active_children()} - before:
+        assert time.monotonic() < deadline, "the late workers were not shut down"
+        time.sleep(0.02)
+    assert len(got) == 2
+    ds.close()
