@@ -234,10 +234,15 @@ class DatasetSource:
     def close(self) -> None:
         """Release the HTTP session, pins and downloads of this process. Idempotent.
 
-        Does not wait for the session to finish closing (the I/O thread does that). A
-        closed source opens a new connection if it is used again. Garbage collection and
-        interpreter exit close it too.
+        Waits (bounded by ``timeout_s``) for the publishes of chunks this process read
+        before their publish ended, so what it read is in the cache once this returns;
+        not for the session to finish closing (the I/O thread does that). A closed source
+        opens a new connection if it is used again. Garbage collection and interpreter
+        exit close it too.
         """
+        conn = self._live()
+        if conn is not None and not conn.closed and conn.downloader is not None:
+            conn.downloader.wait_published(self.settings.timeout_s)
         with self._mu:
             self._slot.close()
 

@@ -134,6 +134,7 @@ class Downloader:
         self._verified: set[str] = set()
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
+        self._publishing: set[asyncio.Task[str]] = set()  # handed out, publish under way
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
         self._runs: dict[str, _Run] = {}  # the parts of each download receiving (_split_idle)
         self._all = ProgressClock()  # moves with any download of this downloader
@@ -236,6 +237,24 @@ class Downloader:
         except BaseException:
             fut.cancel()
             raise
+
+    def wait_published(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, for the publishes of the chunks this process
+        was handed before them (``early``), so that what a caller read is in the cache
+        when it closes. True when none is left. Not from the I/O thread (False at once)."""
+        if not self._publishing or self._lt.in_loop_thread():
+            return not self._publishing
+        try:
+            return bool(self._lt.call(self._published(timeout), timeout + _STALL_SLACK_S))
+        except Exception:  # a closed I/O thread publishes nothing more
+            log.debug("wait_published: I/O thread gone")
+            return False
+
+    async def _published(self, timeout: float) -> bool:
+        tasks = list(self._publishing)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        return not self._publishing
 
     def in_flight(self, name: str) -> bool:
         """A download of ``name`` runs now (a snapshot; safe from any thread)."""
@@ -460,7 +479,12 @@ class Downloader:
                             ready = self._ready_of(me) if me is not None else None
                             if ready is not None and not ready.done():
                                 ready.set_result(str(self.store.path(spec.name)))
-                            await in_thread(_publish_adopted, tmp, self.store, spec.name)
+                            if me is not None:
+                                self._publishing.add(me)
+                            try:
+                                await in_thread(_publish_adopted, tmp, self.store, spec.name)
+                            finally:
+                                self._publishing.discard(me)
                         else:
                             await in_thread(tmp.publish)
                         clock.resume()
