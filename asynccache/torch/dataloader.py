@@ -99,7 +99,7 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     first, the batches were serial work before every worker's start."""
     runs = ds._lead()
     if runs is None:
-        yield from loader
+        yield from _lazy(loader)
         return
     no = ds._lead_no
     if threading.current_thread() is threading.main_thread():
@@ -705,13 +705,14 @@ class CacheDataLoader(DataLoader[Any]):
             rank=world.rank,
             world_size=world.world_size,
         )
-        yield from self._loader(
+        loader = self._loader(
             self.dataset,
             batch_size=self._bs,
             sampler=sampler,
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
         )
+        yield from _lazy(loader)
 
     def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
         assert self.cache is not None
@@ -761,7 +762,7 @@ class CacheDataLoader(DataLoader[Any]):
                     self.collate_fn,
                 )
                 loader = self._loader(source, batch_size=None, collate_fn=_identity)
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(_lazy(loader)):
                 if i >= skip:  # the first `skip` were received before the restart
                     yield batch
             writers = range(world.world_size * nw)

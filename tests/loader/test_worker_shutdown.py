@@ -46,16 +46,17 @@ def _children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
-@pytest.mark.parametrize("transform", [True, False])
-def test_workers_end_with_an_epoch_that_raised_while_the_error_is_kept(fixed, transform):
+@pytest.mark.parametrize("how", ["items", "lead", "one batch"])
+def test_workers_end_with_an_epoch_that_raised_while_the_error_is_kept(fixed, how):
+    """``items``: the DataLoader collates items (a per-item transform); ``lead``: whole
+    batches, the first two built in the main process; ``one batch``: the epoch is a
+    single batch, made by a worker (nothing built here)."""
     before = _children()
     s = Settings.from_env(progress=False)
-    if transform:  # items collated by the DataLoader (a per-item transform)
-        ds = StreamingDataset(fixed, transform=_boom, settings=s)
-    else:  # whole batches from the workers, the first ones built in the main process
-        ds = StreamingDataset(fixed, settings=s)
-    dl = CacheDataLoader(ds, batch_size=4, num_workers=2)
-    if not transform:
+    transform = _boom if how == "items" else None
+    ds = StreamingDataset(fixed, transform=transform, settings=s)
+    dl = CacheDataLoader(ds, batch_size=32 if how == "one batch" else 4, num_workers=2)
+    if how != "items":
         build = ds._batch
 
         def failing(keys: Any, *a: Any) -> Any:
@@ -68,8 +69,9 @@ def test_workers_end_with_an_epoch_that_raised_while_the_error_is_kept(fixed, tr
     with pytest.raises(Boom) as err:
         for _ in dl:
             got += 1
-    assert f"item {BAD}" in str(err.value) and got >= 2
-    assert ds._led == (0 if transform else 1)
+    assert f"item {BAD}" in str(err.value)
+    assert got >= (0 if how == "one batch" else 2)
+    assert ds._led == (1 if how == "lead" else 0)
     # The error is kept (its traceback holds the DataLoader's iterator), yet no worker of
     # the epoch is left: they were told to stop when the error passed through.
     deadline = time.monotonic() + 30
