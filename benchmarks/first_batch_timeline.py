@@ -3,7 +3,7 @@
 Writes ``--total-mb`` of ``--item-kb`` KiB items in ``--chunk-mb`` MiB chunks to a SeaweedFS
 server on loopback and, for cold unshuffled, cold shuffled and warm starts, records (in
 every process: the main one and each DataLoader worker) the moments a process reaches each
-step: forking the workers and done (main), worker started (``worker_init_fn``), its
+step: a batch built there (the first), forking the workers and done (main), worker started (``worker_init_fn``), its
 ``__iter__`` entered and the plan read (``_sync``), ``plan_epoch`` called, storage
 connected, chunk store opened, epoch plan built, first GET out (a range read or a chunk
 part), first bytes in, range reads done, first chunk fetch out, batch assembled, and the
@@ -85,6 +85,7 @@ def hook() -> None:
     _after(sourcemod.DatasetSource, "_downloader_of", "store opened")
     _after(sourcemod.DatasetSource, "plan_epoch", "epoch plan built")
     _after(smod.StreamingDataset, "_batch", "batch assembled")
+    _after(smod.StreamingDataset, "_lead_batch", "main batch built")
     _after(readermod.Reader, "_fetch_early", "range reads done")
     _before(dlmodule.Downloader, "_fetch", "chunk fetch out")
     impl = s3mod.S3Storage._iter_range_impl
@@ -102,6 +103,7 @@ def hook() -> None:
 
 
 STEPS = (
+    "main batch built",
     "forking workers",
     "workers forked",
     "worker started",
