@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import multiprocessing
 import os
 import secrets
 import threading
@@ -94,9 +95,10 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
 
     Cold (items read by range), a thread forks the workers once the batches are built:
     forking holds the interpreter lock, which the I/O thread's range reads need. Warm
-    (every chunk cached, nothing to wait for) the workers are forked first, here, and
-    each batch is built when asked for, while they start up on the other core: built
-    first, the batches were serial work before every worker's start."""
+    (every chunk cached, nothing to wait for) and started by ``fork``, the workers are
+    forked first, here, and each batch is built when asked for, while they start up on
+    the other core: built first, the batches were serial work before every worker's
+    start. (Spawned workers take seconds to start: the batches come first.)"""
     runs = ds._lead()
     if runs is None:
         yield from _lazy(loader)
@@ -105,7 +107,7 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     if threading.current_thread() is threading.main_thread():
         # torch installs its handler reporting a dead worker only from the main thread.
         signal_handling._set_SIGCHLD_handler()
-    if ds._lead_cached(runs):
+    if ds._lead_cached(runs) and _forks(loader):
         try:
             workers = iter(loader)  # forks (or spawns) the workers
             with _ended(loader, workers):
@@ -179,6 +181,17 @@ def _join_started(
         f"within {_WORKERS_START_S:g} s; the batches built in the main process were handed "
         "out, the rest of the epoch has no workers to come from"
     )
+
+
+def _forks(loader: DataLoader[Any]) -> bool:
+    """``loader`` starts its workers by ``fork`` (milliseconds; spawn and forkserver
+    hand the dataset to fresh interpreters, which takes seconds)."""
+    ctx = loader.multiprocessing_context
+    if ctx is not None:
+        return bool(ctx.get_start_method() == "fork")
+    # The process's method, else the default (the first listed), left unset.
+    method = multiprocessing.get_start_method(allow_none=True)
+    return (method or multiprocessing.get_all_start_methods()[0]) == "fork"
 
 
 def _shut_down(it: Iterator[Any]) -> None:

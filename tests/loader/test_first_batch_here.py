@@ -285,3 +285,12 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
         time.sleep(0.02)
     assert len(got) == 2
     ds.close()
+
+
+def test_only_forked_workers_start_before_the_batches_built_here(fixed):
+    """Spawned (or forkserver) workers take seconds to start: the batches built here come
+    first for them, as cold. ``None``: the process's start method (fork on Linux)."""
+    ds = _ds(fixed, True)
+    for ctx, forks in (("fork", True), ("spawn", False), ("forkserver", False), (None, True)):
+        dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx)
+        assert loader_module._forks(dl) is forks, ctx
