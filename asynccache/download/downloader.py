@@ -49,7 +49,7 @@ _STALL_SLACK_S = 5.0  # closing a failed response, scheduling: not a stall
 _MIN_VERIFY_BYTES_PER_S = 10e6  # the slowest hash + fsync we wait for before calling it stuck
 _DEFER_RETRY_S = 0.1  # a deferred prefetch is tried again this soon, or at the next read
 _SPLIT_MIN_BYTES = 1 << 20  # a straggler is split only if each half keeps at least this
-_SPLIT_FIRST_BYTES = 4  # ... and only if what is left takes this many first-byte waits
+_SPLIT_FIRST_BYTES = 8  # ... and only if what is left takes this many first-byte waits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -598,7 +598,8 @@ class Downloader:
         slot nobody queues for, the link is known (a first-byte wait and a rate), and
         what is left takes at least ``_SPLIT_FIRST_BYTES`` first-byte waits with at least
         ``_SPLIT_MIN_BYTES`` in each half: the new request's first byte must come well
-        before the old one would have got there. The old request stops at the split
+        before the old one would have got there, even on a new connection (a handshake
+        of 2-3 round trips: the cut request's is closed). The old request stops at the split
         point (:meth:`.Span.cut`); each byte is still written once, and the chunk is
         verified whole as before.
         """
