@@ -893,7 +893,14 @@ def run(args: argparse.Namespace) -> None:
                 torchvision_shim()
                 import streaming  # noqa: F401
             lim = Limits()
+            began = last = time.monotonic()
             for rep in range(args.reps):
+                now = time.monotonic()
+                if rep and args.max_minutes and now + (now - last) - began > args.max_minutes * 60:
+                    print(f"--max-minutes: {rep} repetitions, not {args.reps}", flush=True)
+                    args.reps = rep
+                    break
+                last = now
                 print(f"rep {rep}", flush=True)
                 measure_limits(setup, lim, parts, concurrency)
                 for lib in results[rep % len(results) :] + results[: rep % len(results)]:
@@ -1177,6 +1184,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="0: write the datasets only (--src-dir)")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        help="start no repetition after the first that would end past this many minutes "
+        "(as long as the last one took), counted from the first",
+    )
     ap.add_argument("--libs", default=",".join(LIBS), help="comma-separated, asynccache first")
     ap.add_argument("--no-memory-check", dest="memory_check", action="store_false")
     ap.add_argument(
