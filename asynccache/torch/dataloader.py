@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import multiprocessing
 import os
 import secrets
 import threading
@@ -89,16 +88,10 @@ def _ended(loader: Any, it: Iterator[Any]) -> Iterator[None]:
 def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     """At the first batch asked for: build the first batches here (up to
     ``_LEAD_BATCHES``, one per worker, their items read in one round), hand them over
-    while the workers start, then the workers' batches, which begin after them. The
-    order of batches and the states taken between them are those of an epoch whose
-    workers made every batch.
-
-    Cold (items read by range), a thread forks the workers once the batches are built:
-    forking holds the interpreter lock, which the I/O thread's range reads need. Warm
-    (every chunk cached, nothing to wait for) and started by ``fork``, the workers are
-    forked first, here, and each batch is built when asked for, while they start up on
-    the other core: built first, the batches were serial work before every worker's
-    start. (Spawned workers take seconds to start: the batches come first.)"""
+    while a thread starts the workers, then the workers' batches, which begin after
+    them. The order of batches and the states taken between them are those of an epoch
+    whose workers made every batch. Starting the workers is bounded
+    (``_WORKERS_START_S``: :class:`WorkerStartError`)."""
     runs = ds._lead()
     if runs is None:
         yield from _lazy(loader)
@@ -107,16 +100,6 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     if threading.current_thread() is threading.main_thread():
         # torch installs its handler reporting a dead worker only from the main thread.
         signal_handling._set_SIGCHLD_handler()
-    if ds._lead_cached(runs) and _forks(loader):
-        try:
-            workers = iter(loader)  # forks (or spawns) the workers
-            with _ended(loader, workers):
-                for keys in runs:  # each built when asked for: the workers are starting
-                    yield ds._lead_batch(keys)  # (the consumer's now)
-                yield from workers
-        finally:
-            ds._lead_done(no)  # (the workers end with their iterator)
-        return
     started: list[Iterator[Any]] = []
     failed: list[BaseException] = []
     go = threading.Event()  # set: the batch is built (or building it failed)
@@ -181,17 +164,6 @@ def _join_started(
         f"within {_WORKERS_START_S:g} s; the batches built in the main process were handed "
         "out, the rest of the epoch has no workers to come from"
     )
-
-
-def _forks(loader: DataLoader[Any]) -> bool:
-    """``loader`` starts its workers by ``fork`` (milliseconds; spawn and forkserver
-    hand the dataset to fresh interpreters, which takes seconds)."""
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return bool(ctx.get_start_method() == "fork")
-    # The process's method, else the default (the first listed), left unset.
-    method = multiprocessing.get_start_method(allow_none=True)
-    return (method or multiprocessing.get_all_start_methods()[0]) == "fork"
 
 
 def _shut_down(it: Iterator[Any]) -> None:

@@ -564,9 +564,6 @@ class MixedDataset(StreamingDataset):
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Nothing to read ahead: the batches come from cached chunks."""
 
-    def _lead_cached(self, runs: list[np.ndarray]) -> bool:
-        return True  # (built here from cached chunks only)
-
     def _lead_reads_by_range(self, keys: np.ndarray) -> bool:
         return False  # (built here from cached chunks only)
 

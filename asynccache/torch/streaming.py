@@ -675,10 +675,6 @@ class StreamingDataset(IterableDataset[Any]):
         self._reader.set_range_budget(0)
         self.source.send_hint()
 
-    def _lead_cached(self, runs: list[np.ndarray]) -> bool:
-        """Every chunk the batches of ``runs`` read is in the cache (nothing by range)."""
-        return not self.source.remote or self._all_landed(np.concatenate(runs))
-
     def _lead_reads_by_range(self, keys: np.ndarray) -> bool:
         """Some of units ``keys`` are in chunks not in the cache (read by range here)."""
         return self.source.remote and not self._all_landed(keys)

@@ -207,42 +207,6 @@ def test_workers_started_after_a_led_epoch_read_whole_epochs(fixed):
 
 
 # -- when the workers start ----------------------------------------------------------------
-def _pids_file(path: Path) -> Any:
-    def note(_: int) -> None:  # (in each worker)
-        with open(path, "a") as f:
-            f.write(f"{os.getpid()}\n")
-
-    return note
-
-
-def _worker_pids(path: Path) -> set[int]:
-    return {int(x) for x in path.read_text().split()}
-
-
-def test_warm_workers_are_forked_before_the_batches_built_here(fixed, tmp_path, monkeypatch):
-    """Every chunk at hand (nothing read by range): the workers are forked first and the
-    main process builds its batches while they start up; the batches are the plain run's."""
-    alive: list[set[int]] = []
-    build = StreamingDataset._lead_batch
-
-    def spy(self: StreamingDataset, keys: Any) -> Any:
-        alive.append({p.pid for p in multiprocessing.active_children()})
-        return build(self, keys)
-
-    monkeypatch.setattr(StreamingDataset, "_lead_batch", spy)
-    pids = tmp_path / "pids"
-    runs = {}
-    for here in (True, False):
-        ds = _ds(fixed, here)
-        dl = CacheDataLoader(ds, batch_size=4, num_workers=2, worker_init_fn=_pids_file(pids))
-        runs[here] = ([_keys(b) for b in dl], ds._led)
-        if here:
-            workers = _worker_pids(pids)
-    assert runs[True][0] == runs[False][0] and runs[True][1] == 1 and runs[False][1] == 0
-    assert len(alive) == 2 and len(workers) == 2
-    assert all(workers <= now for now in alive), (workers, alive)
-
-
 class _HeldProcess(ForkProcess):
     """A fork-started process whose start waits for ``release`` (at most 30 s)."""
 
@@ -285,12 +249,3 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
         time.sleep(0.02)
     assert len(got) == 2
     ds.close()
-
-
-def test_only_forked_workers_start_before_the_batches_built_here(fixed):
-    """Spawned (or forkserver) workers take seconds to start: the batches built here come
-    first for them, as cold. ``None``: the process's start method (fork on Linux)."""
-    ds = _ds(fixed, True)
-    for ctx, forks in (("fork", True), ("spawn", False), ("forkserver", False), (None, True)):
-        dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx)
-        assert loader_module._forks(dl) is forks, ctx
