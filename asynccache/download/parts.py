@@ -17,7 +17,7 @@ from .link import LinkEstimate
 from .progress import ProgressClock
 from .retry import RetryPolicy
 from .stats import DownloadStats
-from .writeback import WRITEBACK_BYTES, start_writeback
+from .writeback import WRITEBACK_BYTES, request_writeback
 
 __all__ = ["Hasher", "Span", "fetch_range", "split_parts"]
 
@@ -232,8 +232,7 @@ async def _stream(
             span.cursor = pos
             stats.bytes += len(piece)
             if flushed is not None and (pos - flushed >= WRITEBACK_BYTES or pos >= end):
-                assert out.fd is not None
-                start_writeback(out.fd, flushed, pos - flushed)
+                request_writeback(out, flushed, pos - flushed)
                 flushed = pos
             if pos >= end:
                 break
