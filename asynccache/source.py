@@ -240,11 +240,17 @@ class DatasetSource:
         opens a new connection if it is used again. Garbage collection and interpreter
         exit close it too.
         """
-        conn = self._live()
-        if conn is not None and not conn.closed and conn.downloader is not None:
-            conn.downloader.wait_published(self.settings.timeout_s)
+        self.wait_published()
         with self._mu:
             self._slot.close()
+
+    def wait_published(self) -> bool:
+        """Wait (bounded by ``timeout_s``) for the publishes of chunks this process read
+        before their publish ended; True when none is left. Keeps the connection."""
+        conn = self._live()
+        if conn is None or conn.closed or conn.downloader is None:
+            return True
+        return conn.downloader.wait_published(self.settings.timeout_s)
 
     def __enter__(self) -> DatasetSource:
         return self

@@ -110,6 +110,9 @@ class _Sources:
         for s in self.streams:
             s.source.close()
 
+    def wait_published(self) -> bool:
+        return all([s.source.wait_published() for s in self.streams if s.source.remote])
+
 
 class _Readers:
     def __init__(self, streams: Sequence[StreamingDataset]) -> None:

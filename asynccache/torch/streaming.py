@@ -402,6 +402,15 @@ class StreamingDataset(IterableDataset[Any]):
         st = self.source.stats
         table[row] = self._stats_base + np.array([float(getattr(st, f)) for f in _STAT_FIELDS])
 
+    def _settle(self) -> None:
+        """At the end of a DataLoader worker's iteration: wait (bounded by ``timeout_s``)
+        for the publishes of chunks it read before their publish ended. Its exit would
+        wait for them too, but torch ends a worker that has not exited 5 s after the
+        epoch, and a chunk whose fsync ran past that was lost to the cache (docs/streaming.md,
+        "Statistics")."""
+        if get_worker_info() is not None and self.source.remote:
+            self.source.wait_published()
+
     def download_stats(self) -> dict[str, float]:
         """Download counters summed over this process and every DataLoader worker that
         iterated this dataset (workers report as they go: at least every few hundred
@@ -520,6 +529,7 @@ class StreamingDataset(IterableDataset[Any]):
                         self._yielded += 1
                         yield self.transform(item) if self.transform else item
         finally:
+            self._settle()
             self._report_stats()
             self._reader.close()
 
@@ -587,6 +597,7 @@ class StreamingDataset(IterableDataset[Any]):
                 yield out
         finally:
             self.__dict__.pop("_forms", None)
+            self._settle()
             self._report_stats()
             self._reader.close()
 
