@@ -79,6 +79,9 @@ class Settings:
     # DataLoader workers start; they begin at the batch after it (0: the workers make
     # every batch; docs/streaming.md).
     first_batch_here: bool = True
+    # How the S3 and HTTP backends receive chunk parts: "direct" (our own HTTP/1.1
+    # receiver, one reused buffer per connection, docs/storage.md) or "aiohttp".
+    receive: str = "direct"
 
     def __post_init__(self) -> None:
         for name in ("max_cache_bytes", "part_bytes"):
@@ -93,6 +96,10 @@ class Settings:
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.receive not in ("direct", "aiohttp"):
+            raise ConfigError(
+                f"{_var('receive')} must be 'direct' or 'aiohttp', got {self.receive!r}"
+            )
         if self.adaptive_parts is None:
             object.__setattr__(self, "adaptive_parts", self.part_bytes == DEFAULT_PART_BYTES)
         if self.log_level is not None:

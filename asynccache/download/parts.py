@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Protocol
 
 from ..cache.layout import TempFile
 from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
-from ..storage.base import Storage
+from ..storage.base import ACLOSE_S, Storage
 from .link import LinkEstimate
 from .progress import ProgressClock
 from .retry import RetryPolicy
@@ -30,7 +29,7 @@ class Hasher(Protocol):
 
 log = logging.getLogger(__name__)
 
-_ACLOSE_S = 5.0  # the bound on closing an abandoned response
+_ACLOSE_S = ACLOSE_S  # the bound on closing an abandoned response
 
 
 class Span:
@@ -189,6 +188,72 @@ class _Limits:
         self.timeout_s, self.min_bytes_per_s = timeout_s, min_bytes_per_s
 
 
+class _PartSink:
+    """Writes what a request receives at the part's cursor, and keeps the books: the
+    watchdog, progress, stats, the streaming hash, early writeback, and the cursor of
+    ``span`` (bytes past its end, which may move down meanwhile, are never written)."""
+
+    __slots__ = (
+        "after_first",
+        "first_at",
+        "flushed",
+        "hasher",
+        "out",
+        "pos",
+        "progress",
+        "span",
+        "stats",
+        "watchdog",
+    )
+
+    def __init__(
+        self,
+        span: Span,
+        out: TempFile,
+        stats: DownloadStats,
+        hasher: Hasher | None,
+        progress: ProgressClock | None,
+        watchdog: _StallWatchdog,
+    ) -> None:
+        self.span, self.out, self.stats = span, out, stats
+        self.hasher, self.progress, self.watchdog = hasher, progress, watchdog
+        self.pos = span.cursor
+        self.first_at = 0.0  # when the first bytes landed
+        self.after_first = self.pos  # where the bytes after the first piece begin
+        # Durable chunks are fsynced at publish: start writing them back as they arrive.
+        self.flushed = self.pos if out.durable and out.fd is not None else None
+
+    def write(self, data: bytes | memoryview, /) -> bool:
+        n = len(data)
+        self.watchdog.progress(n)
+        pos = self.pos
+        if not self.first_at:
+            self.first_at = time.monotonic()
+            self.after_first = pos + n
+        if self.progress is not None:
+            self.progress.moved(n)
+        end = self.span.end  # may have moved down since the request went out (a cut)
+        if n > end - pos:
+            data, n = data[: end - pos], max(0, end - pos)
+        if n:
+            self.out.pwrite(data, pos)
+            if self.hasher is not None:
+                self.hasher.update(data)  # type: ignore[arg-type]  # any buffer will do
+            pos += n
+            self.pos = self.span.cursor = pos
+            self.stats.bytes += n
+        flushed = self.flushed
+        if flushed is not None and (pos - flushed >= WRITEBACK_BYTES or pos >= end):
+            if pos > flushed:
+                request_writeback(self.out, flushed, pos - flushed)
+            self.flushed = pos
+        return pos < end
+
+    def closing(self) -> None:
+        if self.progress is not None:
+            self.progress.quiet(_ACLOSE_S)  # closing the response is bounded on its own
+
+
 async def _stream(
     storage: Storage,
     key: str,
@@ -206,38 +271,14 @@ async def _stream(
     A complete attempt tells ``link`` its time from the request to the first piece and
     the rate of the bytes after that piece (one connection's rate).
     """
-    pos = span.cursor
     sent = time.monotonic()
-    first_at = 0.0  # when the first piece landed
-    after_first = pos  # where the bytes after the first piece begin
-    pieces = storage.iter_range(key, pos, span.end).__aiter__()
     watchdog = _StallWatchdog(limits.timeout_s, limits.min_bytes_per_s)
-    # Durable chunks are fsynced at publish: start writing them back as they arrive.
-    flushed = pos if out.durable and out.fd is not None else None
+    sink = _PartSink(span, out, stats, hasher, progress, watchdog)
     try:
-        async for piece in pieces:
-            watchdog.progress(len(piece))
-            if not first_at:
-                first_at = time.monotonic()
-                after_first = pos + len(piece)
-            if progress is not None:
-                progress.moved(len(piece))
-            end = span.end  # may have moved down since the request went out (a cut)
-            if len(piece) > end - pos:
-                piece = piece[: end - pos]
-            out.pwrite(piece, pos)
-            if hasher is not None:
-                hasher.update(piece)
-            pos += len(piece)
-            span.cursor = pos
-            stats.bytes += len(piece)
-            if flushed is not None and (pos - flushed >= WRITEBACK_BYTES or pos >= end):
-                request_writeback(out, flushed, pos - flushed)
-                flushed = pos
-            if pos >= end:
-                break
-        if link is not None and first_at and pos >= span.end:
-            link.observe(first_at - sent, pos - after_first, time.monotonic() - first_at)
+        await storage.receive_into(key, span.cursor, span.end, sink)
+        if link is not None and sink.first_at and sink.pos >= span.end:
+            first = sink.first_at
+            link.observe(first - sent, sink.pos - sink.after_first, time.monotonic() - first)
     except asyncio.CancelledError:
         if not watchdog.fired:
             raise
@@ -246,18 +287,15 @@ async def _stream(
         if watchdog.slow is not None:
             got, window = watchdog.slow
             raise StorageTimeoutError(
-                f"stalled: {url} sent {got} bytes in {window:.1f}s at byte {pos}, below "
+                f"stalled: {url} sent {got} bytes in {window:.1f}s at byte {sink.pos}, below "
                 f"ASYNCCACHE_MIN_BYTES_PER_S={limits.min_bytes_per_s}",
                 url=url,
             ) from None
         raise StorageTimeoutError(
-            f"stalled: no bytes from {url} for {limits.timeout_s}s at byte {pos}", url=url
+            f"stalled: no bytes from {url} for {limits.timeout_s}s at byte {sink.pos}", url=url
         ) from None
     finally:
         watchdog.close()
-        if progress is not None:
-            progress.quiet(_ACLOSE_S)  # closing the response is bounded on its own
-        await _aclose(pieces)
 
 
 class _StallWatchdog:
@@ -313,10 +351,3 @@ class _StallWatchdog:
 
     def close(self) -> None:
         self._handle.cancel()
-
-
-async def _aclose(pieces: object) -> None:
-    aclose = getattr(pieces, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):  # best-effort cleanup of a failed stream
-            await asyncio.wait_for(aclose(), _ACLOSE_S)

@@ -13,10 +13,13 @@ Keys are ``/``-separated paths relative to the backend's root URL (``index.json`
 from __future__ import annotations
 
 import abc
+import asyncio
 import builtins
+import contextlib
 import dataclasses
 import os
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import aiofiles
 
@@ -30,6 +33,25 @@ class ObjectInfo:
     key: str
     size: int
     etag: str | None = None
+
+
+class Sink(Protocol):
+    """Where :meth:`Storage.receive_into` puts a range's bytes, in order.
+
+    ``write`` copies ``data`` (a buffer the receiver reuses: do not keep it) at the sink's
+    cursor, up to the sink's own end, which may move down while the request runs; it
+    returns False once the sink wants no more bytes (the receiver then stops, closing the
+    connection rather than draining it). ``closing`` is called before a receiver waits
+    for a response to close (a bounded phase, not a stall).
+    """
+
+    def write(self, data: bytes | memoryview, /) -> bool: ...
+
+    def closing(self) -> None: ...
+
+
+#: The bound on closing an abandoned response.
+ACLOSE_S = 5.0
 
 
 class Storage(abc.ABC):
@@ -64,6 +86,17 @@ class Storage(abc.ABC):
         async for piece in self._iter_range_impl(key, start, end):
             yield piece
 
+    async def receive_into(self, key: str, start: int, end: int, sink: Sink) -> None:
+        """Hand the bytes ``[start, end)`` of ``key`` to ``sink`` as they arrive.
+
+        Like :meth:`iter_range` (the same errors; a short body raises TransientError
+        after ``sink`` got what arrived), but a backend may receive into its own reused
+        buffers with no per-piece objects (the S3 and HTTP backends do, see
+        docs/storage.md). Stops early, closing the request, when ``sink.write`` returns
+        False.
+        """
+        await self._receive_into_impl(_check_key(key, self.url), start, end, sink)
+
     async def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """The bytes ``[start, end)`` of ``key`` in memory (for small objects and ranges)."""
         return b"".join([piece async for piece in self.iter_range(key, start, end)])
@@ -96,6 +129,18 @@ class Storage(abc.ABC):
         """Release sessions and connections. Idempotent."""
 
     # -- what a backend implements ---------------------------------------------------
+    async def _receive_into_impl(self, key: str, start: int, end: int, sink: Sink) -> None:
+        """The default: :meth:`iter_range`'s pieces, written one by one."""
+        pieces = self._iter_range_impl(key, start, end).__aiter__()
+        try:
+            async for piece in pieces:
+                if not sink.write(piece):
+                    break
+        finally:
+            sink.closing()
+            with contextlib.suppress(Exception):  # best-effort cleanup of a failed stream
+                await asyncio.wait_for(pieces.aclose(), ACLOSE_S)  # type: ignore[attr-defined]
+
     @abc.abstractmethod
     async def _head_impl(self, key: str) -> ObjectInfo: ...
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import ssl
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Mapping
@@ -42,7 +43,13 @@ from ..errors import (
     TransientError,
 )
 
-__all__ = ["error_code", "map_client_errors", "parse_retry_after", "status_error"]
+__all__ = [
+    "error_code",
+    "map_client_errors",
+    "map_socket_errors",
+    "parse_retry_after",
+    "status_error",
+]
 
 _NOT_FOUND_CODES = frozenset(
     {
@@ -185,6 +192,30 @@ async def map_client_errors(url: str, method: str = "GET") -> AsyncIterator[None
         raise status_error(exc.status, url, method=method) from exc
     except aiohttp.ClientError as exc:
         raise StorageError(f"{method} {url} failed: {exc!r}", url=url) from exc
+
+
+@asynccontextmanager
+async def map_socket_errors(url: str, method: str = "GET") -> AsyncIterator[None]:
+    """Translate socket and TLS exceptions of our own connections, as aiohttp's are.
+
+    The messages match :func:`map_client_errors`'s for the same causes.
+    """
+    try:
+        yield
+    except StorageError:
+        raise
+    except ssl.SSLCertVerificationError as exc:
+        raise StorageError(
+            f"TLS certificate of {url} was rejected ({exc}); pass "
+            "storage_options={'verify': False} or ASYNCCACHE_VERIFY_TLS=0 to trust it",
+            url=url,
+        ) from exc
+    except ssl.SSLError as exc:
+        raise StorageError(f"TLS handshake with {url} failed: {exc}", url=url) from exc
+    except TimeoutError as exc:
+        raise StorageTimeoutError(f"{method} {url} timed out", url=url) from exc
+    except OSError as exc:
+        raise TransientError(f"{method} {url}: connection failed ({exc!r})", url=url) from exc
 
 
 def _own_cause(exc: BaseException) -> StorageError | None:

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from ..config import Settings
 from ..errors import ObjectNotFoundError, StorageError
-from .base import ObjectInfo, Storage
+from .base import ObjectInfo, Sink, Storage
 from .errmap import map_client_errors
 from .s3_auth import S3Signer
 from .s3_multipart import upload_multipart
@@ -163,6 +163,21 @@ class S3Storage(Storage):
             resp, url, start, end, credential_source=self.signer.source
         ):
             yield piece
+
+    async def _receive_into_impl(self, key: str, start: int, end: int, sink: Sink) -> None:
+        pool = self._sessions.direct()
+        url = self.object_url(key)
+        check_range(start, end, url)
+        if pool is None or end == start:
+            await super()._receive_into_impl(key, start, end, sink)
+            return
+        href = self.href(key)
+        async with map_client_errors(url):
+            signed = await self.signer.sign("GET", href, {"Range": range_header(start, end) or ""})
+        if not await pool.get(
+            href, signed, start, end, sink, url=url, credential_source=self.signer.source
+        ):
+            await super()._receive_into_impl(key, start, end, sink)  # left to aiohttp
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix

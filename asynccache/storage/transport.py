@@ -19,6 +19,7 @@ from yarl import URL
 from ..config import Settings
 from ..errors import BridgeError, ConfigError, StorageError, TransientError
 from .errmap import map_client_errors, status_error
+from .wire import DirectPool
 
 __all__ = [
     "SessionHolder",
@@ -121,6 +122,9 @@ class SessionHolder:
 
     def __init__(self, settings: Settings, *, verify: bool) -> None:
         self._limit = settings.max_concurrency
+        self._timeout_s = settings.timeout_s
+        self.receive = settings.receive
+        self._direct: DirectPool | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=settings.timeout_s,
@@ -155,8 +159,30 @@ class SessionHolder:
         self._loop = loop
         return self._session
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context aiohttp's connector makes of :attr:`ssl_mode` (made once, at its
+        import), so both receive paths trust exactly the same certificates."""
+        made = getattr(aiohttp.connector, "_make_ssl_context", None)
+        name = "_SSL_CONTEXT_VERIFIED" if self.verify else "_SSL_CONTEXT_UNVERIFIED"
+        ctx = getattr(aiohttp.connector, name, None)
+        if isinstance(ctx, ssl.SSLContext):
+            return ctx
+        if made is not None:  # pragma: no cover - another aiohttp release
+            return made(self.verify)
+        return ssl.create_default_context()  # pragma: no cover
+
+    def direct(self) -> DirectPool | None:
+        """The pool of our own receive path, or None when ``ASYNCCACHE_RECEIVE=aiohttp``."""
+        if self.receive != "direct":
+            return None
+        if self._direct is None:
+            self._direct = DirectPool(self._limit, self._timeout_s, self.ssl_context())
+        return self._direct
+
     async def close(self) -> None:
-        """Close the session (idempotent)."""
+        """Close the session and the direct pool's connections (idempotent)."""
+        if self._direct is not None:
+            await self._direct.close()
         session, self._session = self._session, None
         if session is not None and not session.closed:
             await session.close()
