@@ -72,6 +72,10 @@ class Settings:
     progress: bool = True
     verify_tls: bool = True
     durable: bool = True
+    # The most starting a CacheDataLoader's DataLoader workers may take while the first
+    # batches built in the main process are handed out: a fork is milliseconds, spawn
+    # and forkserver import torch in fresh interpreters (WorkerStartError past it).
+    worker_start_s: float = 120.0
     # Item bytes a reader fetches by HTTP Range per epoch, before their chunks land, so
     # the first batch does not wait for whole chunks (0: never; docs/cache.md).
     first_read_bytes: int = 8 << 20
@@ -93,7 +97,7 @@ class Settings:
         for name in ("prefetch_chunks", "retries", "min_bytes_per_s", "first_read_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_var(name)} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
+        for name in ("timeout_s", "backoff_base_s", "backoff_max_s", "worker_start_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
         if self.receive not in ("direct", "aiohttp"):

@@ -50,10 +50,6 @@ STATE_VERSION = 1
 
 # The most a batch built in the main process delays the start of the workers.
 _START_AFTER_S = 1.0
-# The most starting a DataLoader's workers (``iter()`` of the inner loader) may take: a
-# fork is milliseconds; spawn and forkserver hand the pickled dataset to fresh
-# interpreters (the fork server may have to start first, importing torch).
-_WORKERS_START_S = 120.0
 
 
 def _identity(batch: Any) -> Any:
@@ -111,12 +107,17 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     while a thread starts the workers, then the workers' batches, which begin after
     them. The order of batches and the states taken between them are those of an epoch
     whose workers made every batch. Starting the workers is bounded
-    (``_WORKERS_START_S``: :class:`WorkerStartError`)."""
+    (``Settings.worker_start_s``: :class:`WorkerStartError`); workers that start after
+    the bound, or that nobody will read (the consumer left before their first batch),
+    are shut down at once."""
     runs = ds._lead()
     if runs is None:
         yield from _lazy(loader)
         return
     no = ds._lead_no
+    # A fork is milliseconds; spawn and forkserver hand the pickled dataset to fresh
+    # interpreters (the fork server may have to start first, importing torch).
+    bound = ds.settings.worker_start_s
     if threading.current_thread() is threading.main_thread():
         # torch installs its handler reporting a dead worker only from the main thread.
         signal_handling._set_SIGCHLD_handler()
@@ -125,6 +126,7 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     go = threading.Event()  # set: the batch is built (or building it failed)
     late = threading.Event()  # set: the workers' start ran past its bound
     built: list[bool] = []
+    mu = threading.Lock()  # hands a started iterator over, or leaves it to be shut down
 
     def start() -> None:
         # Forking holds the interpreter lock: wait until the batch is built, so the
@@ -138,10 +140,12 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         except BaseException as exc:  # raised to the consumer at the next batch
             failed.append(exc)
             return
-        started.append(it)
-        if late.is_set():  # the consumer gave up waiting: nobody will read them
+        with mu:
+            orphan = late.is_set()  # the consumer gave up waiting: nobody will read them
+            if not orphan:
+                started.append(it)
+        if orphan:
             _shut_down(it)
-            started.clear()
 
     starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
     starter.start()
@@ -154,26 +158,35 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
         go.set()  # the workers start while the consumer has the first batch
         while ready:
             yield ready.pop(0)  # (the consumer's now)
-        _join_started(starter, loader, late)
+        _join_started(starter, loader, late, bound)
         if failed:
             raise failed[0]
         with _ended(loader, started[0]):
             yield from started[0]
     finally:
         go.set()
-        starter.join(_WORKERS_START_S)  # (past it, workers started later are shut down)
-        late.set()
-        started.clear()  # (the workers end with their iterator)
+        # Not again for the whole bound when it has passed once (the error is waiting):
+        # workers that start later find `late` set and shut themselves down.
+        starter.join(0 if late.is_set() else bound)
+        with mu:
+            gave_up = late.is_set()
+            late.set()
+            left, started[:] = list(started), []
+        for it in left:  # never read to their end: not the epoch's workers any more
+            if gave_up or not getattr(loader, "persistent_workers", False):
+                _shut_down(it)
+                if getattr(loader, "_iterator", None) is it:
+                    loader._iterator = None  # (a persistent loader starts anew)
         ds._lead_done(no)
 
 
 def _join_started(
-    starter: threading.Thread, loader: DataLoader[Any], late: threading.Event
+    starter: threading.Thread, loader: DataLoader[Any], late: threading.Event, bound: float
 ) -> None:
-    """Wait for ``starter`` to have started ``loader``'s workers, at most
-    ``_WORKERS_START_S``; past it, raise :class:`WorkerStartError` (workers it starts
-    later are shut down at once)."""
-    starter.join(_WORKERS_START_S)
+    """Wait for ``starter`` to have started ``loader``'s workers, at most ``bound``
+    seconds; past it, raise :class:`WorkerStartError` (workers it starts later are shut
+    down at once)."""
+    starter.join(bound)
     if not starter.is_alive():
         return
     late.set()
@@ -181,8 +194,8 @@ def _join_started(
     method = ctx.get_start_method() if ctx is not None else "the default start method"
     raise WorkerStartError(
         f"the DataLoader's {loader.num_workers} worker processes ({method}) did not start "
-        f"within {_WORKERS_START_S:g} s; the batches built in the main process were handed "
-        "out, the rest of the epoch has no workers to come from"
+        f"within {bound:g} s (ASYNCCACHE_WORKER_START_S); the batches built in the main "
+        "process were handed out, the rest of the epoch has no workers to come from"
     )
 
 

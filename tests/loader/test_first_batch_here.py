@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-import asynccache.torch.dataloader as loader_module
 from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset, WorkerStartError
 from asynccache.config import Settings
 from asynccache.format import ChunkView
@@ -68,8 +67,10 @@ def _chunk(src: Path, k: int) -> tuple[str, int, int]:
     return name, len(data), ChunkView(data, name).span(0)[0]
 
 
-def _ds(url: Any, here: bool, shuffle: bool = False, **kw: Any) -> StreamingDataset:
-    s = Settings.from_env(progress=False, first_batch_here=here)
+def _ds(
+    url: Any, here: bool, shuffle: bool = False, start_s: float | None = None, **kw: Any
+) -> StreamingDataset:
+    s = Settings.from_env(progress=False, first_batch_here=here, worker_start_s=start_s)
     return StreamingDataset(url, shuffle=shuffle, seed=5, settings=s, **kw)
 
 
@@ -228,15 +229,22 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
     """Cold, the workers start in a thread after the batches built here; a start that
     outlasts its bound raises WorkerStartError at the next batch instead of waiting on
     forever, and workers that start after that are shut down."""
-    monkeypatch.setattr(loader_module, "_WORKERS_START_S", 0.5)
     monkeypatch.setattr(_HeldProcess, "release", threading.Event())
     before = {p.pid for p in multiprocessing.active_children()}
-    ds = _ds(remote, True, cache_dir=tmp_path / "c", storage_options=objstore.storage_options)
+    ds = _ds(
+        remote,
+        True,
+        start_s=0.5,  # ASYNCCACHE_WORKER_START_S
+        cache_dir=tmp_path / "c",
+        storage_options=objstore.storage_options,
+    )
     dl = CacheDataLoader(ds, batch_size=BS, num_workers=2, multiprocessing_context=_HeldFork())
     it = iter(dl)
     got = [next(it), next(it)]  # the two built here (cold: by range)
     assert ds._led == 1 and ds.source.stats.range_gets > 0
-    with pytest.raises(WorkerStartError, match=r"2 worker processes \(fork\) did not start"):
+    with pytest.raises(
+        WorkerStartError, match=r"2 worker processes \(fork\) did not start within 0.5 s"
+    ):
         next(it)
     _HeldProcess.release.set()
     deadline = time.monotonic() + 60
