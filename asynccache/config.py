@@ -83,6 +83,10 @@ class Settings:
     # DataLoader workers start; they begin at the batch after it (0: the workers make
     # every batch; docs/streaming.md).
     first_batch_here: bool = True
+    # With DataLoader workers, the main process starts downloading each worker's first
+    # chunks while the workers start; the workers then find them downloading (0: each
+    # worker fetches its own; docs/cache.md, "The workers' first chunks").
+    head_start: bool = True
     # How the S3 and HTTP backends receive chunk parts: "direct" (our own HTTP/1.1
     # receiver, one reused buffer per connection, docs/storage.md) or "aiohttp".
     receive: str = "direct"

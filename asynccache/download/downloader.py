@@ -149,6 +149,7 @@ class Downloader:
         self._fast_mu = threading.Lock()
         self._fast_hits = 0  # see note_hit
         self._hit_names: list[str] = []  # chunks note_hit saw, not yet consumed from the hint
+        self._hold: asyncio.Future[None] | None = None  # see hold_prefetch
 
     def __repr__(self) -> str:
         return (
@@ -281,6 +282,29 @@ class Downloader:
         specs = [c if isinstance(c, ChunkSpec) else ChunkSpec(c) for c in chunks]
         self._lt.call_soon(self._set_hint, specs)
 
+    def hold_prefetch(self, seconds: float) -> None:
+        """Until :meth:`release_prefetch`, at most ``seconds``: prefetches started from
+        the hint take their locks and reservations, but none of their parts takes a
+        connection (a chunk some caller waits for is not held). For the range reads of
+        an epoch's first batches, which share this process's connections: the downloads
+        are ready to go the moment those are in. Never blocks."""
+        self._lt.call_soon(self._set_hold, seconds)
+
+    def release_prefetch(self) -> None:
+        """End :meth:`hold_prefetch`: the held parts go out. Never blocks."""
+        self._lt.call_soon(self._end_hold)
+
+    def _set_hold(self, seconds: float) -> None:
+        if self._closed or (self._hold is not None and not self._hold.done()):
+            return
+        loop = asyncio.get_running_loop()
+        self._hold = loop.create_future()
+        loop.call_later(seconds, self._end_hold)  # the bound
+
+    def _end_hold(self) -> None:
+        if self._hold is not None and not self._hold.done():
+            self._hold.set_result(None)
+
     def close(self, timeout: float = 10.0) -> None:
         """Cancel downloads in flight and forget the hint. Idempotent."""
         if self._closed:
@@ -395,6 +419,9 @@ class Downloader:
         clock.queued += 1
         queued = True
         try:
+            hold = self._hold
+            if hold is not None and not hold.done() and not self._wanted(name):
+                await asyncio.shield(hold)  # see hold_prefetch (bounded there)
             async with self._gate.slot(functools.partial(self._wanted, name)):
                 clock.queued -= 1
                 queued = False

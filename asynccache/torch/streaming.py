@@ -666,7 +666,74 @@ class StreamingDataset(IterableDataset[Any]):
         self._lead_no = self.__dict__.get("_lead_no", 0) + 1
         self._led += 1
         self._publish()
+        self._head_start(p, order, pr.received + self._head)
         return runs
+
+    def _workers_first_chunks(self, p: Plan, order: ReadOrder, received: int) -> list[int]:
+        """The chunks of each logical worker's first batch after the consumer received
+        ``received`` samples (what the workers compute in :meth:`__iter__`), each
+        worker's first chunk first: worker after worker, then their second ones."""
+        nw, bs = len(p.workers), p.batch_size
+        after = received_per_worker(p.rank_samples, nw, bs, received)
+        per_worker: list[list[int]] = []
+        for i in range(nw):
+            logical = (received // bs + i) % nw  # in the order the consumer receives them
+            keys: list[np.ndarray] = []
+            need = bs
+            for seg in _drop(p.workers[logical], after[logical]):
+                take = min(need, len(seg))
+                keys.append(order.keys(seg.start, seg.start + take))
+                need -= take
+                if not need:
+                    break
+            if keys:
+                first = self._chunks_of(np.concatenate(keys))
+                per_worker.append(list(dict.fromkeys(first.tolist())))
+        out: dict[int, None] = {}
+        for k in range(max((len(c) for c in per_worker), default=0)):
+            out.update(dict.fromkeys(c[k] for c in per_worker if k < len(c)))
+        return list(out)
+
+    def _head_go(self) -> None:
+        """The lead batches' range reads are in: the downloads :meth:`_head_start`
+        readied may take this process's connections now."""
+        heads = self.__dict__.get("_heads")
+        if heads is not None and heads[0] == os.getpid():
+            heads[1].release_prefetch()
+
+    def _head_start(self, p: Plan, order: ReadOrder, received: int) -> None:
+        """In the main process, before the DataLoader workers start: start downloading
+        each worker's first chunks here (docs/cache.md, "The workers' first chunks").
+
+        The workers fork, open their sessions and plan for 0.5-1 s; meanwhile this
+        process's connections would idle once the first batches' range reads are in. A
+        worker that asks for such a chunk finds its download lock held and waits for the
+        published name, so each chunk is still fetched once. The downloads take their
+        locks and reservations now, their parts no connection until the range reads of
+        the first batches are in (:meth:`_head_go`): those share the connections.
+
+        Only when the whole dataset fits in the cache budget: this process follows no
+        plan, and its reservations would evict by recency, not by the order the workers
+        read. The downloads end with the epoch (:meth:`_head_stop`), at :meth:`close`,
+        or when a new epoch's start replaces them; a forked worker does not inherit
+        them (its downloader is its own)."""
+        if not self.source.remote or len(p.workers) < 2 or not self.settings.head_start:
+            return
+        dl = self.source.downloader()
+        if int(self.index.bytes_per_chunk.sum()) > dl.store.max_cache_bytes:
+            return
+        chunks = self._workers_first_chunks(p, order, received)
+        if chunks:
+            dl.hold_prefetch(self.settings.timeout_s)
+            dl.hint([self.source.spec(c) for c in chunks])
+            self.__dict__["_heads"] = (os.getpid(), dl)
+
+    def _head_stop(self) -> None:
+        """The epoch is over: cancel what :meth:`_head_start` started and nobody took."""
+        heads = self.__dict__.pop("_heads", None)
+        if heads is not None and heads[0] == os.getpid():
+            heads[1].release_prefetch()
+            heads[1].hint([])
 
     def _lead_fetches_nothing(self, runs: list[np.ndarray]) -> bool:
         """The units of ``runs`` can be read here without downloading a whole chunk
@@ -705,6 +772,7 @@ class StreamingDataset(IterableDataset[Any]):
         one round (those whose chunks are not cached)."""
         if self._blocks is None and len(runs) > 1:
             self._reader.expect(*self.index.locate_many(np.concatenate(runs)))
+            self._head_go()
 
     def _lead_batch(self, keys: np.ndarray) -> Any:
         """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
@@ -721,6 +789,7 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             return self._batch(keys, pool, batches.MAIN_ROW)
         finally:
+            self._head_go()  # the range reads of every lead batch are in (one round)
             torch.set_num_threads(threads)
             # The batch is a copy: no chunk stays mapped or pinned here for the epoch.
             self.__dict__.pop("_forms", None)
@@ -738,6 +807,7 @@ class StreamingDataset(IterableDataset[Any]):
             return
         self._head = 0
         self._publish()
+        self._head_stop()
         try:
             self._reader.close()
         finally:
@@ -1038,7 +1108,7 @@ class StreamingDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_order_cache", None)  # rebuilt where it is used
-        for key in ("_pool", "_pool_pid", "_forms"):  # a process's own
+        for key in ("_pool", "_pool_pid", "_forms", "_heads"):  # a process's own
             state.pop(key, None)
         return state
 

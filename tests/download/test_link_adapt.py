@@ -82,13 +82,17 @@ def test_choice_is_bounded_aligned_and_keeps_both_rules(start, ahead, conc, ttfb
     )
     assert b.lo <= part <= b.hi and part % b.align == 0
     fill = ahead / conc
+    up = b.align - 1  # aligned up: at most one alignment step above what a rule asks
     # Never larger than the start or the fill allows, unless the bounds force it.
-    assert part <= max(b.lo, start, fill)
+    assert part <= max(b.lo, start + up, fill + up)
     if ttfb is not None and rate is not None:
         wanted = min(FIRST_BYTE_SHARE * ttfb * rate, max(start, fill / 2), b.hi)
         assert part > wanted - b.align  # the first-byte rule holds, to the alignment
     else:
-        assert part <= max(b.lo, min(start, fill))
+        assert part <= max(b.lo, min(start, fill) + up)
+        if b.lo <= fill <= min(start, b.hi):
+            # The fill rule: the bytes ahead make no more parts than connections.
+            assert -(-ahead // part) <= conc
 
 
 @given(
