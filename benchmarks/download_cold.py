@@ -7,7 +7,9 @@ requests in flight, in the same run:
 * (i-b) raw GET into files: the same loop writing each object into a file with ``pwrite``
   as pieces arrive (no checksum, no fsync): the limit of a cache on this box;
 * asynccache: ``prefetch_dataset`` into a fresh cache dir (write, xxh3_64 verification,
-  atomic publish), durable (fsync, the default) and not (``ASYNCCACHE_DURABLE=0``).
+  atomic publish), durable (fsync, the default) and not (``ASYNCCACHE_DURABLE=0``), for
+  each receive path in ``--receive`` (``ASYNCCACHE_RECEIVE``: ``direct``, our own HTTP/1.1
+  receiver, or ``aiohttp``), each in the same repetition.
 
 Reported per chunk size: wall-time ratios to (i-b) and (i), and client CPU seconds (this
 process, ``getrusage``) as a ratio to (i-b)'s, median (min-max) of ``--reps``, each ratio
@@ -18,6 +20,7 @@ durable figure is also given against the slower of (i-b) and that disk limit.
 
     python benchmarks/download_cold.py [--total-mib 512] [--chunk-mib 64 8 256]
         [--concurrency 8] [--part-mib <ASYNCCACHE_PART_BYTES default>] [--reps 3]
+        [--receive direct aiohttp]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import shutil
 import statistics
@@ -94,7 +98,7 @@ def _into_files(target, specs, concurrency, part_bytes, store_pid, work: Path) -
     return Run(seconds, clock)
 
 
-def _ours(storage, specs, settings, work: Path, tag: str, durable: bool, store_pid) -> Run:
+def _ours(storage, settings, specs, work: Path, tag: str, durable: bool, store_pid) -> Run:
     """One cold prefetch into an empty cache dir."""
     cache = work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
@@ -120,6 +124,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--part-mib", type=int, default=Settings().part_bytes >> 20)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--receive", nargs="+", default=["direct"], choices=["direct", "aiohttp"])
     args = ap.parse_args()
     total = args.total_mib << 20
     part_bytes = args.part_mib << 20
@@ -141,6 +146,17 @@ def main() -> None:
             )
             storage = open_storage("s3://bench-data/ds", settings, objstore.storage_options)
             lt.register_closer(storage.close)
+            paths = {}
+            for mode in args.receive:
+                paths[mode] = (
+                    dataclasses.replace(settings, receive=mode),
+                    open_storage(
+                        "s3://bench-data/ds",
+                        dataclasses.replace(settings, receive=mode),
+                        objstore.storage_options,
+                    ),
+                )
+                lt.register_closer(paths[mode][1].close)
             target = limits.S3Target.of(objstore, "bench-data")
             blob = os.urandom(min(total, 256 << 20))
             pid = objstore.pid
@@ -158,14 +174,22 @@ def main() -> None:
                             target, specs, args.concurrency, part_bytes, pid, work
                         ),
                     }
-                    for durable in (True, False):
-                        runs["ours" if durable else "nosync"] = _ours(
-                            storage, specs, settings, work, f"{chunk_mib}/{rep}", durable, pid
-                        )
+                    for mode, (mode_settings, mode_storage) in paths.items():
+                        for durable in (True, False):
+                            runs[f"{'ours' if durable else 'nosync'}:{mode}"] = _ours(
+                                mode_storage,
+                                mode_settings,
+                                specs,
+                                work,
+                                f"{chunk_mib}/{rep}/{mode}",
+                                durable,
+                                pid,
+                            )
                     runs["disk"] = _disk(work, specs, blob, args.concurrency)
                     reps.append(runs)
                 rows.append((chunk_mib, len(specs), reps))
-                print(_line(chunk_mib, len(specs), reps, total), flush=True)
+                for mode in paths:
+                    print(_line(chunk_mib, len(specs), reps, total, mode), flush=True)
                 lt.call(_delete_all(storage, specs), 600)
     finally:
         lt.close()
@@ -177,20 +201,23 @@ def main() -> None:
         f"{limits.versions('aiohttp', 'xxhash')}"
     )
     print(
-        "| chunk | chunks | (i-b) raw GET into files MB/s | asynccache wall / (i-b) "
+        "| chunk | chunks | receive | (i-b) raw GET into files MB/s | asynccache wall / (i-b) "
         "| CPU / (i-b) CPU | no fsync: wall / (i-b) | CPU / (i-b) CPU | (i-b) / (i) "
         "| CPU s (i-b) | store CPU s (i-b) | disk write+fsync / (i-b) "
         "| asynccache wall / min((i-b), disk) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for chunk_mib, n, reps in rows:
-        print(f"| {chunk_mib} MiB | {n} | " + " | ".join(_cells(reps, total)) + " |")
+        for mode in args.receive:
+            cells = " | ".join(_cells(reps, total, mode))
+            print(f"| {chunk_mib} MiB | {n} | {mode} | {cells} |")
 
 
-def _ratios(reps: list[dict[str, Run]], total: int) -> dict[str, list[float]]:
+def _ratios(reps: list[dict[str, Run]], total: int, mode: str) -> dict[str, list[float]]:
     keys = ("mbs", "o", "oc", "n", "nc", "fb", "fc", "sc", "d", "od")
     out: dict[str, list[float]] = {k: [] for k in keys}
-    for r in reps:
+    for runs in reps:
+        r = {**runs, "ours": runs[f"ours:{mode}"], "nosync": runs[f"nosync:{mode}"]}
         f = r["files"]
         out["mbs"].append(total / f.seconds / 1e6)
         out["o"].append(f.seconds / r["ours"].seconds)
@@ -205,8 +232,8 @@ def _ratios(reps: list[dict[str, Run]], total: int) -> dict[str, list[float]]:
     return out
 
 
-def _cells(reps: list[dict[str, Run]], total: int) -> list[str]:
-    r = _ratios(reps, total)
+def _cells(reps: list[dict[str, Run]], total: int, mode: str) -> list[str]:
+    r = _ratios(reps, total, mode)
     return [
         limits.cell(r["mbs"], ",.0f"),
         limits.cell(r["o"], ".2f"),
@@ -221,11 +248,12 @@ def _cells(reps: list[dict[str, Run]], total: int) -> list[str]:
     ]
 
 
-def _line(chunk_mib: int, n: int, reps: list[dict[str, Run]], total: int) -> str:
-    r = _ratios(reps, total)
+def _line(chunk_mib: int, n: int, reps: list[dict[str, Run]], total: int, mode: str) -> str:
+    r = _ratios(reps, total, mode)
     med = statistics.median
     return (
         f"chunk {chunk_mib:>4} MiB x {n:>3}: (i-b) {med(r['mbs']):7.0f} MB/s; asynccache "
+        f"({mode}) "
         f"wall {med(r['o']):.2f} CPU {med(r['oc']):.2f} of (i-b); no fsync wall "
         f"{med(r['n']):.2f} CPU {med(r['nc']):.2f}; (i-b)/(i) {med(r['fb']):.2f}"
     )

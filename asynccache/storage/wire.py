@@ -445,8 +445,8 @@ class DirectPool:
                     result = await conn.run(
                         request, sink, url, start, end, self._timeout_s, credential_source
                     )
-                except TransientError:
-                    if reused and not conn.any_byte:
+                except TransientError as exc:
+                    if reused and not conn.any_byte and not isinstance(exc, StorageTimeoutError):
                         continue  # the server closed an idle connection: once more, afresh
                     raise
                 finally:
@@ -493,6 +493,7 @@ class DirectPool:
     async def close(self) -> None:
         """Close every idle connection (idempotent)."""
         idle, self._idle = self._idle, {}
+        self._loop = self._sem = None  # a later use may come from another loop, as aiohttp's
         for conns in idle.values():
             for conn in conns:
                 conn._abort()

@@ -99,3 +99,46 @@ def test_spare_slots_prefetch_while_a_reader_waits(tmp_path, lt, http_origin) ->
         assert f.read() == data_a
     with open(path_b, "rb") as f:
         assert f.read() == data_b
+
+
+@pytest.mark.parametrize("receive", ["direct", "aiohttp"])
+def test_resume_after_reset_and_trickle_both_receive_paths(
+    tmp_path, lt, http_origin, receive
+) -> None:
+    # The same faults on either receive path: a reset mid-body resumes at the next byte
+    # (not from the part's start), a trickle below the floor is a stall, retried; the
+    # chunk lands byte-identical.
+    src = tmp_path / "src"
+    src.mkdir()
+    chunks = make_chunks(src, [2 * PART])
+    data, checksum = chunks["chunk-0-0.bin"]
+    with FaultProxy(http_origin(src).url) as proxy:
+        proxy.add_fault(Fault("reset", path="chunk-0-0", range="bytes=0-", after_bytes=100_000))
+        proxy.add_fault(
+            Fault(
+                "trickle",
+                path="chunk-0-0",
+                range=f"bytes={PART}-",
+                after_bytes=1000,
+                bytes_per_s=2000,
+            )
+        )
+        dl = _downloader(
+            tmp_path, lt, proxy.url, receive=receive, timeout_s=0.5, min_bytes_per_s=50_000
+        )
+        try:
+            path = dl.ensure("chunk-0-0.bin", len(data), checksum).result(30)
+        finally:
+            dl.close()
+        assert proxy.fired("reset") == 1 and proxy.fired("trickle") == 1
+        ranges = [r.range for r in proxy.requests if r.method == "GET"]
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert dl.stats.retries == 2
+    resumed = [
+        int(r[6:].split("-")[0])
+        for r in ranges
+        if r and not r.startswith(("bytes=0-", f"bytes={PART}-"))
+    ]
+    assert len(resumed) == 2  # both retries asked for the rest only
+    assert any(0 < s <= 100_000 for s in resumed) and any(s > PART for s in resumed)

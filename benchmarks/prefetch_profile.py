@@ -1,0 +1,145 @@
+"""One cold ``prefetch_dataset`` from a local S3 server, to profile the I/O thread.
+
+Uploads ``--total-mib`` in ``--chunk-mib`` chunks (on the main thread, its own loop), then
+prefetches them cold into a fresh cache (on the process's I/O thread) with the receive
+path ``--receive`` and prints wall time and this process's CPU. Run it under py-spy to see
+where the I/O thread's CPU goes, e.g.::
+
+    py-spy record --native --threads -r 200 -f raw -o prof.txt -- \\
+        python benchmarks/prefetch_profile.py --receive direct
+    python benchmarks/prefetch_profile.py --summarize prof.txt
+
+``--summarize`` prints the I/O thread's samples by leaf (the function on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import xxhash
+
+from asynccache.bridge import get_loop_thread
+from asynccache.cache import ChunkStore, dataset_dir
+from asynccache.config import Settings
+from asynccache.download import ChunkSpec, prefetch_dataset
+from asynccache.storage import open_storage
+from asynccache.testing import ObjectStore
+
+_LEAVES = (
+    ("pwrite", "pwrite into the page cache"),
+    ("recv", "recv (kernel to user copy)"),
+    ("__libc_recv", "recv (kernel to user copy)"),
+    ("sendto", "sending requests"),
+    ("sendmsg", "sending requests"),
+    ("send", "sending requests"),
+    ("epoll_wait", "waiting in epoll"),
+    ("sync_file_range", "writeback requests"),
+    ("XXH3", "hash"),
+)
+
+
+def summarize(path: str) -> None:
+    """Share of the I/O thread's samples by what was on CPU."""
+    counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if "asynccache-io" not in stack and "asynccache_io" not in stack:
+            continue
+        frames = stack.split(";")
+        total += int(n)
+        leaf = frames[-1]
+        name = next((label for key, label in _LEAVES if key in leaf), None)
+        if name is None:
+            py = [f for f in frames if ".py:" in f or ".py)" in f]
+            name = py[-1].split(" ")[0] + " " + py[-1].split("/")[-1] if py else leaf
+        counts[name] += int(n)
+    print(f"I/O thread samples: {total}")
+    for name, n in counts.most_common(25):
+        print(f"{100 * n / max(total, 1):5.1f}%  {name}")
+
+
+async def _upload(storage, src: Path, names: list[str]) -> None:
+    sem = asyncio.Semaphore(4)
+
+    async def one(name: str) -> None:
+        async with sem:
+            await storage.upload(src / name, name)
+
+    await asyncio.gather(*(one(n) for n in names))
+    await storage.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--total-mib", type=int, default=256)
+    ap.add_argument("--chunk-mib", type=int, default=8)
+    ap.add_argument("--part-mib", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--receive", default="direct", choices=["direct", "aiohttp"])
+    ap.add_argument("--durable", type=int, default=1)
+    ap.add_argument("--summarize", metavar="PYSPY_RAW")
+    args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    work = Path(tempfile.mkdtemp(prefix="asynccache-prof-"))
+    chunk = args.chunk_mib << 20
+    try:
+        with ObjectStore(volume_size_limit_mb=1024) as objstore:
+            objstore.create_bucket("prof")
+            src = work / "src"
+            src.mkdir()
+            blob = os.urandom(chunk)
+            specs = []
+            for i in range(max(1, (args.total_mib << 20) // chunk)):
+                data = blob[i:] + blob[:i]
+                (src / f"c-{i}.bin").write_bytes(data)
+                specs.append(ChunkSpec(f"c-{i}.bin", chunk, xxhash.xxh3_64(data).hexdigest()))
+            settings = Settings(
+                cache_dir=str(work / "cache"),
+                max_concurrency=args.concurrency,
+                part_bytes=args.part_mib << 20,
+                adaptive_parts=False,
+                progress=False,
+                receive=args.receive,
+                durable=bool(args.durable),
+            )
+            up = open_storage("s3://prof/ds", settings, objstore.storage_options)
+            asyncio.run(_upload(up, src, [s.name for s in specs]))
+            shutil.rmtree(src)
+            storage = open_storage("s3://prof/ds", settings, objstore.storage_options)
+            lt = get_loop_thread()
+            lt.register_closer(storage.close)
+            store = ChunkStore(
+                dataset_dir(work / "cache", "s3://prof/ds", "p"),
+                max_cache_bytes=4 << 30,
+                durable=bool(args.durable),
+            )
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            prefetch_dataset(storage, store, specs, settings, progress=False)
+            wall = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+            print(
+                f"receive={args.receive} durable={args.durable}: {args.total_mib} MiB in "
+                f"{wall:.2f} s, client CPU {cpu:.2f} s ({cpu / (args.total_mib / 1024):.2f} "
+                f"s/GiB), load {os.getloadavg()[0]:.1f}"
+            )
+            store.close()
+            lt.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
