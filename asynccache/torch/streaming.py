@@ -666,6 +666,7 @@ class StreamingDataset(IterableDataset[Any]):
         self._lead_no = self.__dict__.get("_lead_no", 0) + 1
         self._led += 1
         self._publish()
+        self._lead_last = self.__dict__.get("_lead_batches", 0) + len(runs)
         self._head_start(p, order, pr.received + self._head)
         return runs
 
@@ -695,8 +696,10 @@ class StreamingDataset(IterableDataset[Any]):
         return list(out)
 
     def _head_go(self) -> None:
-        """The lead batches' range reads are in: the downloads :meth:`_head_start`
-        readied may take this process's connections now."""
+        """The lead batches are built (their range reads are in): the downloads
+        :meth:`_head_start` readied may take this process's connections now. Not before:
+        on loopback a download moves hundreds of MB/s on this process's I/O thread, and
+        the batches being built would share the interpreter lock with it."""
         heads = self.__dict__.get("_heads")
         if heads is not None and heads[0] == os.getpid():
             heads[1].release_prefetch()
@@ -709,8 +712,8 @@ class StreamingDataset(IterableDataset[Any]):
         process's connections would idle once the first batches' range reads are in. A
         worker that asks for such a chunk finds its download lock held and waits for the
         published name, so each chunk is still fetched once. The downloads take their
-        locks and reservations now, their parts no connection until the range reads of
-        the first batches are in (:meth:`_head_go`): those share the connections.
+        locks and reservations now, their parts no connection until the first batches
+        are built (:meth:`_head_go`): their range reads share the connections.
 
         Only when the whole dataset fits in the cache budget: this process follows no
         plan, and its reservations would evict by recency, not by the order the workers
@@ -772,7 +775,6 @@ class StreamingDataset(IterableDataset[Any]):
         one round (those whose chunks are not cached)."""
         if self._blocks is None and len(runs) > 1:
             self._reader.expect(*self.index.locate_many(np.concatenate(runs)))
-            self._head_go()
 
     def _lead_batch(self, keys: np.ndarray) -> Any:
         """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
@@ -789,7 +791,8 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             return self._batch(keys, pool, batches.MAIN_ROW)
         finally:
-            self._head_go()  # the range reads of every lead batch are in (one round)
+            if self._lead_batches >= self.__dict__.get("_lead_last", 0):
+                self._head_go()  # the lead batches are built: their reads are in
             torch.set_num_threads(threads)
             # The batch is a copy: no chunk stays mapped or pinned here for the epoch.
             self.__dict__.pop("_forms", None)
