@@ -41,8 +41,10 @@ from .errmap import map_socket_errors, status_error
 
 __all__ = ["DirectPool"]
 
-#: Bytes one connection receives per read, into a buffer it keeps.
-RECV_BYTES = 256 << 10
+#: Bytes received per read, into the one buffer all connections of a pool share: the
+#: protocol callbacks run one at a time on the loop, and each hands its bytes on (or keeps
+#: a copy: a response head cut across reads) before it returns.
+RECV_BYTES = 1 << 20
 _MAX_HEAD = 64 << 10
 _ERROR_BODY = 8192
 _abandoned: list[object] = []  # connections inherited over fork: never closed in the child
@@ -58,12 +60,12 @@ class _Result:
 
 
 class _Conn(asyncio.BufferedProtocol):
-    """One HTTP/1.1 connection; reads into ``self.buf`` and forwards body bytes."""
+    """One HTTP/1.1 connection; reads into the pool's buffer and forwards body bytes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, buf: bytearray) -> None:
         self.loop = loop
-        self.buf = bytearray(RECV_BYTES)
-        self.mv = memoryview(self.buf)
+        self.buf = buf
+        self.mv = memoryview(buf)
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.state = _IDLE
@@ -80,7 +82,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.start = 0
         self.end = 0
         self.credential_source: str | None = None
-        self.head_len = 0
+        self.partial = bytearray()  # a response head cut across reads, so far
         self.status = 0
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.wire_left = 0  # body bytes on the wire still to read (Content-Length)
@@ -98,9 +100,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.state == _HEAD:
-            return self.mv[self.head_len :]
-        if self.state in (_BODY, _ERRBODY) and 0 < self.wire_left < RECV_BYTES:
+        if self.state in (_BODY, _ERRBODY) and 0 < self.wire_left < len(self.mv):
             return self.mv[: self.wire_left]  # never read into the next response
         return self.mv
 
@@ -190,26 +190,30 @@ class _Conn(asyncio.BufferedProtocol):
         self._timer = self.loop.call_later(timeout_s - idle, self._check_idle, timeout_s)
 
     def _head(self, nbytes: int) -> None:
-        filled = self.head_len + nbytes
-        at = self.buf.find(b"\r\n\r\n", max(0, self.head_len - 3), filled)
+        if self.partial:  # the head began in an earlier read
+            self.partial += self.mv[:nbytes]
+            at = self.partial.find(b"\r\n\r\n")
+            data, filled = memoryview(self.partial), len(self.partial)
+        else:
+            at = self.buf.find(b"\r\n\r\n", 0, nbytes)
+            data, filled = self.mv, nbytes
         if at < 0:
-            self.head_len = filled
-            if filled >= min(_MAX_HEAD, len(self.buf)):
+            if filled >= _MAX_HEAD:
                 raise TransientError(f"GET {self.url}: response head too long", url=self.url)
+            if not self.partial:
+                self.partial = bytearray(self.mv[:nbytes])  # the shared buffer is reused
             return
-        head = bytes(self.buf[:at])
-        rest = filled - (at + 4)
-        if rest:  # body bytes that came with the head: move them to the buffer's start
-            self.buf[:rest] = self.buf[at + 4 : filled]
-        self.head_len = 0
+        head = bytes(data[:at])
+        rest = bytes(data[at + 4 : filled]) if self.partial else data[at + 4 : filled]
+        self.partial = bytearray()
         self._parse(head)
         if self.state == _DONE:
             return
         if rest:
             if self.state == _BODY:
-                self._body(self.mv[:rest])
+                self._body(memoryview(rest))
             else:
-                self._error_body(self.mv[:rest])
+                self._error_body(memoryview(rest))
         elif self.state == _BODY and self.want <= 0:
             self._finish(_Result(False))
 
@@ -371,6 +375,7 @@ class DirectPool:
         self._timeout_s = timeout_s
         self._ssl = ssl_context
         self._idle: dict[_Origin, list[_Conn]] = {}
+        self._buf = bytearray(RECV_BYTES)  # every connection's reads (see RECV_BYTES)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sem: asyncio.Semaphore | None = None
         self.connects = 0  # connections opened (for tests and stats)
@@ -480,7 +485,7 @@ class DirectPool:
         async with map_socket_errors(url):
             async with asyncio.timeout(self._timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop),
+                    lambda: _Conn(loop, self._buf),
                     host,
                     port,
                     ssl=tls,
