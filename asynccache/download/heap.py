@@ -10,6 +10,11 @@ It walks every arena's free chunks under their locks: 8-30 ms in a process that 
 torch, so it is called once an epoch's range reads are done (by the reader), not after
 every chunk (which cost a cold epoch of 128 MiB, shuffled, about a quarter more CPU).
 
+The S3 and HTTP backends' own receive path (``ASYNCCACHE_RECEIVE=direct``, the default;
+:mod:`asynccache.storage.wire`) reads chunk parts into one reused buffer and allocates no
+pieces, so this matters there only for what still comes through aiohttp (index files, the
+first batch's range reads, other backends, ``ASYNCCACHE_RECEIVE=aiohttp``).
+
 Linux with glibc only; elsewhere :func:`trim` does nothing.
 """
 
