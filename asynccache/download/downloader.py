@@ -17,9 +17,10 @@ from typing import Any
 
 import xxhash
 
+from .. import forksafe
 from ..bridge import LoopThread, get_loop_thread
 from ..cache.layout import TempFile
-from ..cache.locks import in_thread
+from ..cache.locks import in_thread, try_lock
 from ..cache.plan import Deferred
 from ..cache.store import ChunkStore
 from ..config import Settings
@@ -764,7 +765,28 @@ class Downloader:
                 break  # the later ones wait too: chunks land in the order they are read
             self._hinted.add(spec.name)
             self._start(spec)
+            if self._parts.get(spec.name, 0) > 1 and self._elsewhere(spec.name):
+                # Another process downloads it (the main process's head start, or a
+                # worker sharing the chunk): it takes none of this process's
+                # connections. One, not none: the window must not run further ahead of
+                # what is landing here (the node keeps to its connections), but a small
+                # last chunk starts now, not after a part of the one before lands.
+                self._parts[spec.name] = 1
             busy += self._parts.get(spec.name, need)
+
+    def _elsewhere(self, name: str) -> bool:
+        """Another process holds the download lock of ``name`` now (a snapshot: a
+        non-blocking probe, before this process's own download of it takes the lock)."""
+        try:
+            fd = forksafe.open_fd(self.store.lock_path(name), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False  # no lock file: nobody has downloaded it yet
+        try:
+            return not try_lock(fd, True)  # taken, it is released by the close
+        except OSError:
+            return False
+        finally:
+            forksafe.close_fd(fd)
 
     def _short_of_slots(self) -> bool:
         """A download in flight has parts that hold no slot yet: it has not got to its

@@ -8,7 +8,9 @@ the downloader's counters, and every byte of the chunks.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import os
 import time
 
 import pytest
@@ -190,6 +192,54 @@ def test_the_window_starts_a_chunk_as_parts_of_the_one_before_land(
         assert len(ends) == 4 and ends[0] < first, "started before any part of the one before"
         if before == names[0]:  # its paused part ends 1 s after the others
             assert first < ends[-1], "waited for the whole chunk before it"
+    for n in names:
+        with open(store.path(n), "rb") as f:
+            assert f.read() == data[n][0]
+
+
+def test_a_chunk_another_process_downloads_counts_one_part_in_the_window(
+    tmp_path, lt, http_origin, chunks
+) -> None:
+    """Another holder of a chunk's download lock (the main process's head start, or a
+    worker sharing the chunk) uses none of this process's connections: the window
+    counts it as one part, so the next chunk starts beside it (4 MiB chunks in 1 MiB
+    parts on 6 connections: counted whole, the locked chunk's 4 parts would leave no
+    room for the next one's 4 until the lock is free). The locked chunk is fetched once
+    the lock is free; every chunk arrives intact, each byte once."""
+    src, data = chunks
+    names = ["chunk-0-1.bin", "chunk-0-2.bin", "chunk-0-3.bin"]
+    with FaultProxy(http_origin(src).url, conn_bytes_per_s=4 * RATE) as proxy:
+        dl, store = _downloader(
+            tmp_path,
+            lt,
+            proxy.url,
+            max_concurrency=6,
+            part_bytes=MiB,
+            adaptive_parts=False,
+            prefetch_chunks=3,
+        )
+        lock = store.lock_path(names[0])
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: another holder
+            dl.hint([ChunkSpec(n, len(data[n][0]), data[n][1]) for n in names])
+            deadline = time.monotonic() + 30
+            while not store.is_cached(names[1]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert store.is_cached(names[1]), "the next chunk waited for the locked one"
+            assert not [r for r in proxy.requests if names[0] in r.path]
+        finally:
+            os.close(fd)  # the other holder is done (without publishing)
+        try:
+            deadline = time.monotonic() + 30
+            while not all(store.is_cached(n) for n in names):
+                assert time.monotonic() < deadline, "the window did not land"
+                time.sleep(0.01)
+            stats = dl.snapshot()
+        finally:
+            dl.close()
+    assert stats.chunks_fetched == 3 and stats.bytes == sum(len(data[n][0]) for n in names)
     for n in names:
         with open(store.path(n), "rb") as f:
             assert f.read() == data[n][0]
