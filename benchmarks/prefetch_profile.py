@@ -49,10 +49,12 @@ _LEAVES = (
 def summarize(path: str) -> None:
     """Share of the I/O thread's samples by what was on CPU."""
     counts: collections.Counter[str] = collections.Counter()
-    total = 0
+    total = every = 0
     for line in Path(path).read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if "asynccache-io" not in stack and "asynccache_io" not in stack:
+        if "prefetch_dataset" in stack or "asynccache-io" in stack:
+            every += int(n)  # the prefetch's own samples (not the upload's)
+        if "asynccache-io" not in stack:
             continue
         frames = stack.split(";")
         total += int(n)
@@ -62,7 +64,7 @@ def summarize(path: str) -> None:
             py = [f for f in frames if ".py:" in f or ".py)" in f]
             name = py[-1].split(" ")[0] + " " + py[-1].split("/")[-1] if py else leaf
         counts[name] += int(n)
-    print(f"I/O thread samples: {total}")
+    print(f"I/O thread samples: {total} ({100 * total / max(every, 1):.0f}% of the prefetch's)")
     for name, n in counts.most_common(25):
         print(f"{100 * n / max(total, 1):5.1f}%  {name}")
 
