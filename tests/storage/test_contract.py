@@ -139,6 +139,40 @@ async def test_abandoned_stream_then_reuse(backend: Backend) -> None:
     assert await backend.storage.read("dir/sub/c.txt") == SEED["dir/sub/c.txt"]
 
 
+class _Sink:
+    """Takes at most ``limit`` bytes, then asks for no more (a part cut short)."""
+
+    def __init__(self, limit: int) -> None:
+        self.got = bytearray()
+        self.limit = limit
+
+    def write(self, data: bytes | memoryview, /) -> bool:
+        self.got += data[: self.limit - len(self.got)]
+        return len(self.got) < self.limit
+
+    def closing(self) -> None:
+        pass
+
+
+async def test_receive_into(backend: Backend) -> None:
+    data = SEED["dir/b.bin"]
+    for start, end in [
+        (0, len(data)),
+        (10, 20),
+        (1_000_000, 2_400_001),
+        (len(data) - 5, len(data) + 9),
+    ]:
+        sink = _Sink(1 << 30)
+        await backend.storage.receive_into("dir/b.bin", start, end, sink)
+        assert sink.got == data[start:end], (start, end)
+    cut = _Sink(70_000)  # stops wanting bytes mid-body: the request ends there
+    await backend.storage.receive_into("dir/b.bin", 0, len(data), cut)
+    assert cut.got == data[:70_000]
+    with pytest.raises(ObjectNotFoundError, match="nope"):
+        await backend.storage.receive_into("nope.bin", 0, 10, _Sink(10))
+    assert await backend.storage.read("dir/sub/c.txt") == SEED["dir/sub/c.txt"]
+
+
 async def test_read(backend: Backend) -> None:
     assert await backend.storage.read("dir/sub/c.txt") == b"hello world\n"
     assert await backend.storage.read("dir/b.bin", 1000, 2000) == SEED["dir/b.bin"][1000:2000]
