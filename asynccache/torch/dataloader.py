@@ -165,6 +165,9 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
             yield from started[0]
     finally:
         go.set()
+        # First: a worker waiting for a chunk the main process started for it (its
+        # download lock) would hold its own shutdown up until torch kills it.
+        ds._head_stop()
         # Not again for the whole bound when it has passed once (the error is waiting):
         # workers that start later find `late` set and shut themselves down.
         starter.join(0 if late.is_set() else bound)

@@ -722,6 +722,8 @@ class StreamingDataset(IterableDataset[Any]):
         them (its downloader is its own)."""
         if not self.source.remote or len(p.workers) < 2 or not self.settings.head_start:
             return
+        if getattr(self, "streams", None) is not None:
+            return  # a mix: each stream's source follows a plan of its own
         dl = self.source.downloader()
         if int(self.index.bytes_per_chunk.sum()) > dl.store.max_cache_bytes:
             return
@@ -735,8 +737,8 @@ class StreamingDataset(IterableDataset[Any]):
         """The epoch is over: cancel what :meth:`_head_start` started and nobody took."""
         heads = self.__dict__.pop("_heads", None)
         if heads is not None and heads[0] == os.getpid():
+            heads[1].hint([])  # (cancelled before their held parts could go out)
             heads[1].release_prefetch()
-            heads[1].hint([])
 
     def _lead_fetches_nothing(self, runs: list[np.ndarray]) -> bool:
         """The units of ``runs`` can be read here without downloading a whole chunk

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset
-from asynccache.testing.faults import FaultProxy
+from asynccache.testing.faults import Fault, FaultProxy
 from asynccache.upload import upload
 from asynccache.writer import ChunkWriter, merge_dir
 
@@ -120,26 +120,33 @@ def test_under_a_budget_the_main_process_starts_nothing(remote, objstore, tmp_pa
 def test_what_the_main_process_started_ends_with_the_epoch(remote, objstore, tmp_path):
     _, index = remote
     cache = tmp_path / "cache"
-    # 400 kB/s per connection: a chunk's one part takes 3 s, so it is still downloading
-    # when the consumer stops after the first batch (its items read by range: 0.8 s).
-    with FaultProxy(objstore.endpoint_url, latency_s=0.02, conn_bytes_per_s=400_000) as proxy:
+    firsts = [index.filename(0), index.filename(4)]
+    with FaultProxy(objstore.endpoint_url, latency_s=0.02) as proxy:
+        # The whole-chunk GETs of the workers' first chunks pause after 64 KiB, so they
+        # are still downloading when the consumer stops after the first batch.
+        for ci in (0, 4):
+            whole = f"bytes=0-{index.chunks[ci].bytes - 1}"
+            proxy.add_fault(
+                Fault(
+                    "slow", path=index.filename(ci), range=whole, after_bytes=64 << 10, stall_s=20
+                )
+            )
         dl, ds = _loader(remote, proxy, objstore, cache)
         it = iter(dl)
         next(it)  # built here from range reads; the head start begins
         down = ds.source.downloader()
-        firsts = [index.filename(0), index.filename(4)]
         deadline = time.monotonic() + 30
-        while not all(down.in_flight(n) for n in firsts) and time.monotonic() < deadline:
+        while proxy.fired("slow") < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert all(down.in_flight(n) for n in firsts), "the head start never began"
+        assert proxy.fired("slow") == 2, "the head start never began"
+        assert all(down.in_flight(n) for n in firsts)
         it.close()  # the epoch ends early: its workers shut down, its downloads end
         deadline = time.monotonic() + 30
         while any(down.in_flight(n) for n in firsts) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(down.in_flight(n) for n in firsts), "left running after the epoch"
-        assert proxy.link_fired("cap") > 0  # the slow link held them in flight
+        assert down.snapshot().chunks_fetched == 0  # cancelled, not finished
         mine = f".{os.getpid()}."
         leftovers = [p.name for p in cache.rglob("*.tmp") if mine in p.name]
         assert leftovers == [], f"temporary files left by the main process: {leftovers}"
-        assert down.snapshot().chunks_fetched == 0  # cancelled, not finished
         ds.close()
