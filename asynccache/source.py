@@ -45,6 +45,10 @@ from .readplan import EpochSpec, PlanCache, ReadPlan, View, raise_if_below
 from .sampling.order import Units
 from .storage import open_storage
 
+# Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
+# made ahead, so their downloads start without a reservation (Downloader._make_ahead).
+HINT_PAST = 1
+
 
 def is_remote(url: str) -> bool:
     """True for URLs that need the downloader (anything but a path or ``file://``)."""
@@ -442,7 +446,7 @@ class DatasetSource:
             dl.store.policy = follow.policy
         if old is not None:
             old.close()
-        want = max(self.settings.prefetch_chunks, 1) + (window if shuffle else 0)
+        want = max(self.settings.prefetch_chunks, 1) + (window if shuffle else 0) + HINT_PAST
         # Sent when the reader starts reading (see send_hint): range reads of its first
         # items must find connections free, not queue behind a prefetch window of parts.
         self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])
@@ -464,8 +468,10 @@ class DatasetSource:
                     done += [name] * count
                     conn.released_early[name] += count
                     conn.pinned[name] = 0
-            want = max(self.settings.prefetch_chunks, 1) + (
-                follow.spec.window if follow.spec.shuffle else 0
+            want = (
+                max(self.settings.prefetch_chunks, 1)
+                + (follow.spec.window if follow.spec.shuffle else 0)
+                + HINT_PAST
             )
             upcoming = follow.upcoming(want)
         for name in done:

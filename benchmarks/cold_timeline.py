@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import contextvars
 import functools
 import os
 import shutil
@@ -45,9 +46,10 @@ import limits
 import streaming_epoch as se
 
 import asynccache.download.downloader as dlmod
-import asynccache.download.parts as partsmod
+import asynccache.download.writeback as wbmod
 from asynccache import Settings
 from asynccache.cache.layout import TempFile
+from asynccache.cache.locks import FileLock
 from asynccache.cache.store import ChunkStore
 from asynccache.readplan import ReadPlan
 from asynccache.source import DatasetSource
@@ -107,6 +109,7 @@ def install(rec: Recorder) -> None:
     fetch = dlmod.Downloader._fetch
 
     async def traced_fetch(self: Any, spec: Any) -> str:
+        _chunk.set(spec.name)  # this task's context, and the helper threads it starts
         emit("chunk_start", spec.name, int(self._wanted(spec.name)))
         try:
             path = await fetch(self, spec)
@@ -143,6 +146,7 @@ def install(rec: Recorder) -> None:
         return held
 
     ChunkStore.adopt = traced_adopt  # type: ignore[method-assign]
+    install_reserve(rec)
     StreamingDataset._batch = timed(  # type: ignore[method-assign]
         "batch", StreamingDataset._batch, lambda ds, keys, *a: int(keys[0])
     )
@@ -162,7 +166,9 @@ def install(rec: Recorder) -> None:
 
         return wrapper
 
-    partsmod.start_writeback = blocking("writeback", partsmod.start_writeback)
+    # (The writeback request runs on a thread of its own: its blocking no longer holds
+    # the I/O thread, but is still shown.)
+    wbmod.start_writeback = blocking("writeback", wbmod.start_writeback)
     TempFile.pwrite = blocking("pwrite", TempFile.pwrite)  # type: ignore[method-assign]
 
     set_hint = dlmod.Downloader._set_hint
@@ -192,6 +198,108 @@ def install(rec: Recorder) -> None:
         defer(self)
 
     dlmod.Downloader._defer = traced_defer  # type: ignore[method-assign]
+
+
+# The chunk a download task works on, seen by the steps it calls (a contextvar: the
+# helper threads it starts get a copy of its context).
+_chunk: contextvars.ContextVar[str] = contextvars.ContextVar("chunk", default="?")
+
+
+def install_reserve(rec: Recorder) -> None:
+    """Time each step between a download's start and its first part: the chunk's download
+    lock, the in-process queue for the eviction lock, the cache-wide flock, the helper
+    thread's start, the temporary file's creation and its preallocation, and, at publish,
+    the fsyncs and the rename."""
+    emit = rec.emit
+    acquire = FileLock.acquire
+
+    async def traced_acquire(lock: FileLock) -> None:
+        await acquire(lock)
+        name = os.path.basename(lock.path)
+        if name.endswith(".lock"):
+            emit("dlock", name[: -len(".lock")])
+
+    FileLock.acquire = traced_acquire  # type: ignore[method-assign]
+    reserve = ChunkStore.reserve
+
+    async def traced_reserve(store: ChunkStore, name: str, size: int, **kw: Any) -> TempFile:
+        emit("resv_start", name)
+        try:
+            return await reserve(store, name, size, **kw)
+        finally:
+            emit("resv_end", name)
+
+    ChunkStore.reserve = traced_reserve  # type: ignore[method-assign]
+    lock_evict = ChunkStore._lock_evict
+
+    async def traced_lock_evict(store: ChunkStore) -> int:
+        emit("evmutex", _chunk.get())  # this process's queue for the lock passed
+        fd = await lock_evict(store)
+        emit("evlock", _chunk.get())
+        return fd
+
+    ChunkStore._lock_evict = traced_lock_evict  # type: ignore[method-assign]
+    if hasattr(ChunkStore, "reserve_ahead"):  # not in a tree before files made ahead
+        reserve_ahead = ChunkStore.reserve_ahead
+
+        async def traced_reserve_ahead(store: ChunkStore, name: str, size: int) -> bool:
+            _chunk.set(name)  # this task's own context
+            emit("resv_start", name)
+            try:
+                return await reserve_ahead(store, name, size)
+            finally:
+                emit("resv_end", name)
+
+        ChunkStore.reserve_ahead = traced_reserve_ahead  # type: ignore[method-assign]
+        make_ahead = dlmod.Downloader._make_ahead
+
+        def traced_make_ahead(self: Any) -> None:
+            before = set(self._reserving)
+            make_ahead(self)
+            emit(
+                "ahead",
+                ",".join(s.name for s in self._queue),
+                ",".join(sorted(set(self._reserving) - before)) or "-",
+                ",".join(sorted(self.store.ready_ahead())) or "-",
+                ",".join(sorted(self._inflight)) or "-",
+            )
+
+        dlmod.Downloader._make_ahead = traced_make_ahead  # type: ignore[method-assign]
+    locked = ChunkStore._reserve_locked
+
+    def traced_locked(store: ChunkStore, fd: int, name: str, *a: Any) -> Any:
+        emit("rthread", name)
+        return locked(store, fd, name, *a)
+
+    ChunkStore._reserve_locked = traced_locked  # type: ignore[method-assign]
+    tempfile_init = TempFile.__init__
+
+    def traced_init(tmp: TempFile, final: Path, *a: Any, **kw: Any) -> None:
+        emit("create_start", final.name)
+        try:
+            tempfile_init(tmp, final, *a, **kw)
+        finally:
+            emit("create_end", final.name)
+
+    TempFile.__init__ = traced_init  # type: ignore[method-assign]
+
+    def took(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                emit("took", kind, _chunk.get(), f"{time.perf_counter() - t:.6f}")
+
+        return wrapper
+
+    # The system calls of a reservation and of a publish (this benchmark's processes only).
+    os.posix_fallocate = took("fallocate", os.posix_fallocate)
+    os.fsync = took("fsync", os.fsync)
+    for attr in ("fdatasync", "ftruncate", "replace"):
+        if hasattr(os, attr):
+            setattr(os, attr, took(attr, getattr(os, attr)))
 
 
 # -- the behaviour before, for comparisons in one run (variants "bench:old-window", "bench:old-hint")
@@ -329,6 +437,18 @@ def traced_epoch(
 
 
 # -- the analysis -----------------------------------------------------------------------
+_STEPS = (
+    "dlock",
+    "resv_start",
+    "evmutex",
+    "evlock",
+    "rthread",
+    "create_start",
+    "create_end",
+    "resv_end",
+)
+
+
 def load_events(directory: Path) -> list[list[str]]:
     out = []
     for p in directory.glob("ev-*.tsv"):
@@ -413,6 +533,7 @@ def analyse(
     held: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
     deferred = collections.Counter()
     blocked: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    steps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)  # (chunk, call)
     for e in events:
         t, pid, kind, f = float(e[0]) - t0, int(e[1]), e[3], e[4:]
         who = name_of.get(pid, f"p{pid}")
@@ -451,6 +572,10 @@ def analyse(
             chunk[f[0]]["adopted"] = t
         elif kind == "publish_end":
             chunk[f[0]]["published"] = t
+        elif kind in _STEPS:
+            chunk[f[0]].setdefault(kind, t)
+        elif kind == "took":
+            steps[(f[1], f[0])].append(float(f[2]))
         elif kind == "recv":
             recv.append((t, int(f[0]), float(f[1])))
         elif kind == "held_back":
@@ -547,6 +672,53 @@ def analyse(
             f"{pub if pub is not None else float('nan'):.2f} "
             f"{n if n is not None else float('nan'):.2f} {lag}"
         )
+    # Reservations, step by step.
+    say(
+        "\nfrom each download's start to its first part (s after the download start): "
+        "download lock held, reserve called, this process's queue for the eviction lock "
+        "passed, eviction flock held, helper thread running, temporary file created "
+        "(preallocation s), reserve returned, first part sent; then its publish: the "
+        "calls' seconds"
+    )
+    first_go: list[float] = []
+    for name, c in sorted(chunk.items(), key=lambda kv: kv[1].get("start", 0.0)):
+        s0 = c.get("start")
+        if s0 is None:
+            continue
+
+        def at(k: str, c: dict[str, float] = c, s0: float = s0) -> str:
+            v = c.get(k)
+            return f"{v - s0:+.3f}" if v is not None else "-"
+
+        if c.get("first_go") is not None:
+            first_go.append(c["first_go"] - s0)
+        calls = "; ".join(
+            f"{k} " + "/".join(f"{x:.3f}" for x in steps[(name, k)])
+            for k in ("fallocate", "ftruncate", "fsync", "fdatasync", "replace")
+            if steps.get((name, k))
+        )
+        say(
+            f"  {name} {c.get('who', '?')}: lock {at('dlock')} resv {at('resv_start')} "
+            f"queue {at('evmutex')} flock {at('evlock')} thread {at('rthread')} "
+            f"create {at('create_start')}..{at('create_end')} "
+            f"returned {at('resv_end')} first part {at('first_go')} | {calls}"
+        )
+    made = [
+        n
+        for n, c in chunk.items()
+        if n.startswith("chunk-") and c.get("create_end", float("inf")) <= c.get("start", 0.0)
+    ]
+    say(
+        f"  downloads that found their temporary file made ahead: {len(made)} of "
+        f"{sum(1 for n, c in chunk.items() if n.startswith('chunk-') and 'start' in c)}"
+    )
+    if first_go:
+        first_go.sort()
+        say(
+            f"  first part after the download start: median {first_go[len(first_go) // 2]:.3f} s, "
+            f"max {first_go[-1]:.3f} s, over 0.2 s: {sum(1 for x in first_go if x > 0.2)} "
+            f"of {len(first_go)}"
+        )
     # The main process.
     waits = [(t, i, w) for t, i, w in recv if w > 0.01]
     tot = sum(w for _, _, w in recv)
@@ -636,6 +808,9 @@ def main() -> None:
         "repetition",
     )
     ap.add_argument("--out", type=str, default="", help="also write the report to this file")
+    ap.add_argument(
+        "--traces", type=str, default="", help="keep each run's events in DIR/trace-<run>"
+    )
     args = ap.parse_args()
     settings = Settings.from_env(progress=False)
     work = Path(tempfile.mkdtemp(prefix="asynccache-timeline-"))
@@ -664,8 +839,8 @@ def main() -> None:
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)  # read by the dataset's Settings.from_env
                 rep = run
-                trace = work / f"trace-{rep}"
-                trace.mkdir()
+                trace = (Path(args.traces) if args.traces else work) / f"trace-{rep}"
+                trace.mkdir(parents=True)
                 if rep == 0:
                     rec = Recorder(trace)
                     install(rec)

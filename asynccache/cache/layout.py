@@ -260,7 +260,11 @@ class TempFile:
         """Flush the file and rename it to its final name, atomically."""
         assert self.fd is not None
         try:
-            os.ftruncate(self.fd, self.size)
+            # Preallocation gave the file its size already. A truncate to the same size
+            # is not free on ext4 (it trims blocks past the end under a journal handle,
+            # which waits for a commit in flight): only a file written past it needs one.
+            if os.fstat(self.fd).st_size != self.size:
+                os.ftruncate(self.fd, self.size)
             if self.durable:
                 os.fsync(self.fd)
             # Downgrade rather than drop the lock: the file stays "alive" for sweepers, and
@@ -275,16 +279,20 @@ class TempFile:
         finally:
             self._close()
 
-    def discard(self) -> None:
-        """Remove the temporary file. Idempotent; a no-op in a forked child."""
+    def discard(self) -> bool:
+        """Remove the temporary file. Idempotent; a no-op in a forked child.
+
+        True when this call removed it (False: closed already, or gone underneath).
+        """
         if self.fd is None:
-            return
+            return False
         try:
             os.unlink(self.path)
         except FileNotFoundError:
-            pass
+            return False
         finally:
             self._close()
+        return True
 
     def _close(self) -> None:
         if self.fd is not None:

@@ -72,6 +72,12 @@ class ChunkStore:
           locks stay in force, held by the parent alone.
         * A layout deleted underneath (``rm -rf`` of the dataset or cache directory) is
           rebuilt by the next lock, reservation or temporary file.
+        * Temporary files made ahead (:meth:`reserve_ahead`) are reservations like any
+          other: counted in the ledger and by scans from the moment they exist, locked by
+          this process (swept if it dies, never inherited by a child), published only
+          through a download that fills and verifies them (:meth:`take_ahead`), and
+          removed with their bytes taken off the ledger when no download takes them
+          (:meth:`release_ahead`, :meth:`close`).
 
     Args:
         root: this dataset's directory (see :func:`.layout.dataset_dir`).
@@ -102,6 +108,8 @@ class ChunkStore:
         self._amutex: asyncio.Lock | None = None
         self.durable = durable
         self.policy: PlanPolicy | None = None
+        self._ready: dict[str, TempFile] = {}  # made ahead, not taken yet (reserve_ahead)
+        self._closed = False
         self._ensure_layout()
         forksafe.register(self)
         swept = sweep_orphans(self.root)
@@ -293,6 +301,108 @@ class ChunkStore:
             finally:
                 forksafe.close_fd(fd)
 
+    # -- temporary files made ahead -------------------------------------------------------
+    async def reserve_ahead(self, name: str, size: int) -> bool:
+        """Reserve ``size`` bytes for ``name`` and make its temporary file now, before its
+        download starts, so that the download finds it ready (:meth:`take_ahead`).
+
+        The slow steps of a reservation (the cache-wide lock, another process's
+        reservation, creating and preallocating the file, which on ext4 waits for a
+        journal commit in flight) then overlap the downloads before it. Only into room
+        the cache has now: nothing is evicted for it, and under a plan that does not fit
+        the whole dataset the whole cache must stay within the prefetch room. True when a
+        file for ``name`` is ready; False when none could be made now (no room, a full
+        disk: the download's own reservation then evicts or reports it).
+        """
+        if name in self._ready:
+            return True
+        if self._closed:
+            return False
+        try:
+            async with self._evict_mutex():
+                fd = await self._lock_evict()
+                try:
+                    tmp = await in_thread(
+                        self._reserve_spare_locked, fd, name, size, undo=TempFile.discard
+                    )
+                finally:
+                    forksafe.close_fd(fd)
+        except (Deferred, CacheError) as exc:
+            log.debug("no temporary file made ahead for %s: %s", name, exc)
+            return False
+        with self._mu:
+            keep = not self._closed and name not in self._ready
+            if keep:
+                self._ready[name] = tmp
+        if not keep:
+            await self._release([tmp])
+        return True
+
+    async def take_ahead(self, name: str, size: int) -> TempFile | None:
+        """The temporary file made ahead for ``name`` (``size`` bytes), now the caller's
+        to fill, publish or discard; None when there is none (or it is no longer usable:
+        then it is released)."""
+        with self._mu:
+            tmp = self._ready.pop(name, None)
+        if tmp is None:
+            return None
+        if tmp.fd is not None and tmp.size == size and _linked(tmp.fd):
+            return tmp
+        await self._release([tmp])
+        return None
+
+    def ready_ahead(self) -> frozenset[str]:
+        """The names whose temporary files are made ahead and not taken yet."""
+        with self._mu:
+            return frozenset(self._ready)
+
+    async def release_ahead(self, keep: frozenset[str] | set[str]) -> int:
+        """Remove the temporary files made ahead for names not in ``keep`` (the hint moved
+        on), taking their bytes off the ledger; returns how many were removed."""
+        with self._mu:
+            drop = [t for n, t in self._ready.items() if n not in keep]
+            self._ready = {n: t for n, t in self._ready.items() if n in keep}
+        if drop:
+            await self._release(drop)
+        return len(drop)
+
+    async def _release(self, tmps: list[TempFile]) -> None:
+        """Remove ``tmps`` and take their bytes off the ledger, under the eviction lock (a
+        scan in between must not see them gone yet counted, or counted twice)."""
+        try:
+            async with self._evict_mutex():
+                fd = await self._lock_evict()
+                try:
+                    await in_thread(_release_locked, fd, tmps)
+                finally:
+                    forksafe.close_fd(fd)
+        finally:
+            for tmp in tmps:  # the lock not had (cancelled, timed out): removed, still counted
+                tmp.discard()
+
+    def _release_now(self, tmps: list[TempFile]) -> None:
+        """:meth:`_release` from sync code: the eviction lock is waited for briefly
+        (bounded, like a trim); without it the files are removed and left counted."""
+        path = str(self.cache_dir / EVICT_LOCK)
+        try:
+            fd = open_lock_file(path, self._ensure_layout)
+        except CacheError:
+            fd = None
+        try:
+            if fd is not None:
+                deadline = time.monotonic() + _TRIM_WAIT_S
+                while not try_lock(fd, exclusive=True):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.005)
+                else:
+                    _release_locked(fd, tmps)
+        finally:
+            for tmp in tmps:
+                tmp.discard()
+            if fd is not None:
+                forksafe.close_fd(fd)
+
     def _evict_mutex(self) -> asyncio.Lock:
         # In-process callers queue here, so only one of them waits on the flock.
         if self._amutex is None:
@@ -361,6 +471,33 @@ class ChunkStore:
                     f"the disk holding the cache dir {self.root} is full: {size} more bytes "
                     "do not fit even after evicting every unpinned chunk"
                 ) from exc
+        except BaseException:
+            usage.write_ledger(fd, used, count, at)
+            raise
+
+    def _reserve_spare_locked(self, fd: int, name: str, size: int) -> TempFile:
+        """:meth:`_reserve_locked` without evicting: :class:`.plan.Deferred` when the
+        bytes do not fit as the cache stands."""
+        ledger = usage.read_ledger(fd)
+        now = time.time()
+        policy = self.policy
+        limit = self.max_cache_bytes
+        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
+            limit -= policy.min_bytes  # the whole cache within the prefetch room
+        room = self._room()
+        if ledger is not None and ledger.trusted(now) and ledger.used + size <= limit:
+            used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
+        else:
+            used, _ = usage.scan(self.cache_dir, self.root)
+            count, at = 0, now
+        if used + size > limit or size > room:
+            if count == 0:
+                usage.write_ledger(fd, used, count, at)  # a fresh scan: keep it
+            raise Deferred(name)
+        # Recorded before the file exists: a crash in between leaves an over-estimate.
+        usage.write_ledger(fd, used + size, count, at)
+        try:
+            return self.create_temp(name, size)
         except BaseException:
             usage.write_ledger(fd, used, count, at)
             raise
@@ -463,19 +600,43 @@ class ChunkStore:
         return usage.scan(self.cache_dir, self.root)[0]
 
     def close(self) -> None:
-        """Release every pin this store holds."""
+        """Release every pin this store holds, and the temporary files made ahead (no
+        more are kept after this)."""
         with self._mu:
             pins, self._pins = self._pins, {}
             self._reached = {}
+            ready, self._ready = list(self._ready.values()), {}
+            self._closed = True
         for fd, _ in pins.values():
             forksafe.close_fd(fd)
+        if ready:
+            self._release_now(ready)
 
     def _after_fork_in_child(self) -> None:
-        # forksafe closed the pin descriptors already: forget them, never close twice.
+        # forksafe closed the pin descriptors and the files made ahead already: forget
+        # them, never close twice (the files are the parent's to use or remove).
         self._mu = threading.Lock()
         self._amutex = None
         self._pins = {}
         self._reached = {}
+        self._ready = {}
+
+
+def _release_locked(fd: int, tmps: list[TempFile]) -> None:
+    """Remove ``tmps`` and take the bytes of those this call removed off the ledger in
+    ``fd`` (held exclusively). A file already gone (deleted underneath) is left counted:
+    a scan may have seen it, or not; the ledger stays an over-estimate."""
+    removed = sum(tmp.size for tmp in tmps if tmp.discard())
+    if removed:
+        usage.subtract(fd, removed)
+
+
+def _linked(fd: int) -> bool:
+    """The file behind ``fd`` still has a name (not deleted underneath)."""
+    try:
+        return os.fstat(fd).st_nlink > 0
+    except OSError:
+        return False
 
 
 def _touch(path: str) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "present",
     "read_ledger",
     "scan",
+    "subtract",
     "write_ledger",
 ]
 
@@ -180,3 +181,13 @@ def write_ledger(fd: int, used: int, reservations: int, scanned_at: float | None
     # A read-only or full disk: the next reservation scans instead.
     with contextlib.suppress(OSError):
         os.pwrite(fd, line.ljust(_LEDGER_BYTES - 1) + b"\n", 0)
+
+
+def subtract(fd: int, nbytes: int) -> None:
+    """Take ``nbytes`` the cache no longer holds (a reserved file removed unused) off the
+    ledger in the lock file ``fd`` (the caller holds its exclusive flock). Only bytes of a
+    file that was counted (reserved, or seen by a scan since) and removed by the caller may
+    be taken off, so the ledger stays an over-estimate."""
+    ledger = read_ledger(fd)
+    if ledger is not None:
+        write_ledger(fd, ledger.used - nbytes, ledger.reservations, ledger.scanned_at)

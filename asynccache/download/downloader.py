@@ -51,6 +51,7 @@ _MIN_VERIFY_BYTES_PER_S = 10e6  # the slowest hash + fsync we wait for before ca
 _DEFER_RETRY_S = 0.1  # a deferred prefetch is tried again this soon, or at the next read
 _SPLIT_MIN_BYTES = 1 << 20  # a straggler is split only if each half keeps at least this
 _SPLIT_FIRST_BYTES = 8  # ... and only if what is left takes this many first-byte waits
+_AHEAD_FILES = 2  # temporary files made ahead for the window's next chunks (_make_ahead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,10 @@ class Downloader:
           parts fit in ``max_concurrency`` beside the parts still to land of the
           downloads in flight (or when none are left to land), so they land in the
           order they are read.
+        * The temporary files of the next ``_AHEAD_FILES`` hinted chunks not downloading
+          yet are made ahead (:meth:`.ChunkStore.reserve_ahead`, only into room the cache
+          has), so a download starts without a reservation; files of chunks the hint no
+          longer names are removed, their bytes taken off the ledger.
         * A prefetch the store defers (the node's prefetch room is full, see
           :mod:`asynccache.cache.plan`) fetches nothing; no new prefetch starts until the
           reader asks for a chunk or ``_DEFER_RETRY_S`` passes. A caller that asks for a
@@ -151,6 +156,7 @@ class Downloader:
         self._fast_hits = 0  # see note_hit
         self._hit_names: list[str] = []  # chunks note_hit saw, not yet consumed from the hint
         self._hold: asyncio.Future[None] | None = None  # see hold_prefetch
+        self._reserving: dict[str, asyncio.Task[bool]] = {}  # files being made ahead
 
     def __repr__(self) -> str:
         return (
@@ -468,6 +474,7 @@ class Downloader:
             log.debug("download of %s failed: %r", name, task.exception())
         log.debug("%r", self)
         self._pump()
+        self._make_ahead()
 
     async def _fetch(self, spec: ChunkSpec) -> str:
         """Download one chunk under its cross-process lock; the path once published."""
@@ -485,15 +492,18 @@ class Downloader:
                     return str(self.store.path(spec.name))  # another process published it
                 for round_ in (1, 2):
                     clock.quiet(self.store.lock_timeout_s)  # may wait for another evictor
-                    try:
-                        tmp = await self.store.reserve(
-                            spec.name, size, ahead=not self._wanted(spec.name)
-                        )
-                    except Deferred:
-                        if not self._wanted(spec.name):
-                            raise
-                        tmp = await self.store.reserve(spec.name, size)  # a caller came
+                    tmp = await self._take_ahead(spec.name, size) if round_ == 1 else None
+                    if tmp is None:
+                        try:
+                            tmp = await self.store.reserve(
+                                spec.name, size, ahead=not self._wanted(spec.name)
+                            )
+                        except Deferred:
+                            if not self._wanted(spec.name):
+                                raise
+                            tmp = await self.store.reserve(spec.name, size)  # a caller came
                     clock.resume()
+                    self._make_ahead()  # the next chunks' files, while this one downloads
                     try:
                         hashed = await self._fill(spec.name, size, tmp, spec.checksum)
                         url = self.storage.object_url(spec.name)
@@ -537,6 +547,52 @@ class Downloader:
             return str(self.store.path(spec.name))
         finally:
             self.stats.finished()
+
+    async def _take_ahead(self, name: str, size: int) -> TempFile | None:
+        """The temporary file made ahead for ``name``, waiting for one being made."""
+        making = self._reserving.get(name)
+        if making is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(making)
+        return await self.store.take_ahead(name, size)
+
+    def _make_ahead(self) -> None:
+        """Have the temporary files of the next ``_AHEAD_FILES`` hinted chunks that are not
+        downloading yet made now (:meth:`.ChunkStore.reserve_ahead`), so that their
+        downloads start without waiting for a reservation: on ext4 creating and
+        preallocating a file waits for the journal commit in flight, which a durable
+        cache's fsyncs keep busy. The hint may name chunks past the prefetch window (a
+        reader hints one more): their files are made, their bytes not fetched. Files
+        made for chunks the hint no longer names are removed and their bytes taken off
+        the ledger."""
+        if self._closed or self.storage.is_local:
+            return
+        nxt: list[ChunkSpec] = []
+        for s in self._queue:  # the window, and the hint past it
+            if len(nxt) == _AHEAD_FILES:
+                break
+            if s.size and s.name not in self._inflight and not self.store.is_cached(s.name, s.size):
+                nxt.append(s)
+        keep = {s.name for s in nxt} | set(self._inflight) | set(self._reserving)
+        loop = asyncio.get_running_loop()
+        if not self.store.ready_ahead() <= keep:
+            released = loop.create_task(self.store.release_ahead(frozenset(keep)))
+            released.add_done_callback(_quiet)
+        ready = self.store.ready_ahead()
+        for s in nxt:
+            if s.name in ready or s.name in self._reserving:
+                continue
+            assert s.size is not None
+            task = loop.create_task(
+                self.store.reserve_ahead(s.name, s.size), name=f"asynccache-ahead:{s.name}"
+            )
+            self._reserving[s.name] = task
+            task.add_done_callback(functools.partial(self._made_ahead, s.name))
+
+    def _made_ahead(self, name: str, task: asyncio.Task[bool]) -> None:
+        if self._reserving.get(name) is task:
+            del self._reserving[name]
+        _quiet(task)
 
     async def _fill(
         self, key: str, size: int, tmp: TempFile, checksum: str | None
@@ -827,16 +883,24 @@ class Downloader:
     async def cancel_all(self) -> None:
         """Cancel every download in flight and forget the hint (on the I/O thread)."""
         self._queue = []
-        tasks = list(self._inflight.values())
+        tasks = list(self._inflight.values()) + list(self._reserving.values())
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+        with contextlib.suppress(Exception):
+            await self.store.release_ahead(frozenset())  # nothing will take them now
 
     # -- running from sync code ----------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run ``coro`` on this downloader's I/O thread and wait (bounded)."""
         return self._lt.call(coro, timeout)
+
+
+def _quiet(task: asyncio.Task[Any]) -> None:
+    """Retrieve a background task's outcome: what it did is best effort."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("%s failed: %r", task.get_name(), task.exception())
 
 
 def file_checksum(fd: int, size: int) -> str:

@@ -56,6 +56,10 @@ def pinned_chunks_fill_the_disk(mnt: Path) -> None:
     for i in range(7):
         _publish(store, f"chunk-0-{i}.bin", MiB, OLD + i)
         assert store.pin(f"chunk-0-{i}.bin")
+    # A file made ahead of its download is not made (nothing is evicted for it), and
+    # leaves the error to the download's own reservation, which says the same as before.
+    assert not asyncio.run(store.reserve_ahead("chunk-0-9.bin", MiB))
+    assert not [p for p in store.root.iterdir() if p.name.endswith(".tmp")]
     with pytest.raises(DiskFullError) as info:
         asyncio.run(store.reserve("chunk-0-9.bin", MiB))
     assert str(store.root) in str(info.value)

@@ -68,6 +68,10 @@ def _files(store: ChunkStore) -> list[str]:
     return sorted(p.name for p in store.root.iterdir() if p.is_file())
 
 
+def _published(store: ChunkStore) -> list[str]:
+    return [name for name in _files(store) if not name.startswith(".")]
+
+
 def test_miss_then_hit(tmp_path, lt) -> None:
     objects = _objects(1, 1000)
     storage, _store, dl = _make(tmp_path, lt, objects)
@@ -184,12 +188,15 @@ def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
 
 def test_hint_keeps_the_window_in_flight(tmp_path, lt) -> None:
     objects = _objects(6, 1000)
-    _storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=2)
+    storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=2)
     specs = [ChunkSpec(n, 1000) for n in objects]
     dl.hint(specs)
-    _wait(lambda: _files(store) == ["c0.bin", "c1.bin"])
+    _wait(lambda: _published(store) == ["c0.bin", "c1.bin"])
     time.sleep(0.1)
-    assert _files(store) == ["c0.bin", "c1.bin"]  # no further than the window
+    assert _published(store) == ["c0.bin", "c1.bin"]  # no further than the window
+    assert {key for key, _, _ in storage.reads} == {"c0.bin", "c1.bin"}
+    # Past the window only the files are made (the next two hinted), no byte fetched.
+    _wait(lambda: store.ready_ahead() == {"c2.bin", "c3.bin"})
     dl.ensure("c0.bin", 1000).result(10)  # the reader moves on: the window slides
     _wait(lambda: store.is_cached("c2.bin"))
     assert not store.is_cached("c3.bin")
@@ -321,3 +328,27 @@ def test_the_window_starts_a_chunk_when_its_parts_fit_beside_those_in_flight(tmp
     _wait(lambda: store.is_cached("c0.bin"))
     for name, data in objects.items():
         assert _read(str(store.path(name))) == data
+
+
+def test_files_made_ahead_are_used_and_released_with_the_hint(tmp_path, lt) -> None:
+    objects = _objects(6, 1000)
+    storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=1)
+    specs = [ChunkSpec(n, 1000, _xx(d)) for n, d in objects.items()]
+    dl.hint(specs)
+    _wait(lambda: store.is_cached("c0.bin") and store.ready_ahead() == {"c1.bin", "c2.bin"})
+    made = {p.name for p in store.root.iterdir() if p.name.startswith(".c1.bin.")}
+    storage.delay_s = 0.2  # c1 is still downloading when the files are looked at
+    dl.ensure("c0.bin", 1000).result(10)  # the reader moves on: c1 starts, in its file
+    _wait(lambda: dl.in_flight("c1.bin") and "c1.bin" not in store.ready_ahead())
+    # Taken by the download, which writes into it: the only file of c1.
+    assert {p.name for p in store.root.iterdir() if p.name.startswith(".c1.bin.")} == made
+    storage.delay_s = 0.0
+    dl.ensure("c1.bin", 1000).result(10)
+    assert store.path("c1.bin").read_bytes() == objects["c1.bin"]
+    _wait(lambda: store.ready_ahead() == {"c3.bin", "c4.bin"})  # c2 is the window now
+    dl.hint(specs[5:])  # the hint moves past c3 and c4: their files go, never fetched
+    _wait(lambda: store.is_cached("c5.bin") and not store.ready_ahead())
+    _wait(lambda: not [p for p in store.root.iterdir() if p.name.startswith((".c3", ".c4"))])
+    assert not {"c3.bin", "c4.bin"} & {key for key, _, _ in storage.reads}
+    dl.close()
+    assert not [p for p in store.root.iterdir() if p.name.endswith(".tmp")]
