@@ -330,9 +330,31 @@ def _old_upcoming(self: Any, count: int) -> list[int]:
     return list(out)
 
 
-_OLD = {
-    "bench:old-window": (dlmod.Downloader, "_pump", _old_pump),
-    "bench:old-hint": (ReadPlan, "upcoming", _old_upcoming),
+def _no_ahead(self: Any) -> None:
+    """Downloader._make_ahead as of 513bc89: no temporary file made ahead."""
+
+
+def _truncating(publish: Callable[..., Any]) -> Callable[..., Any]:
+    """TempFile.publish as of 513bc89: the file truncated to its size, always."""
+
+    @functools.wraps(publish)
+    def wrapper(tmp: TempFile) -> None:
+        if tmp.fd is not None:
+            os.ftruncate(tmp.fd, tmp.size)
+        publish(tmp)
+
+    return wrapper
+
+
+# switch -> (class, attribute, the replacement made from the current attribute)
+_OLD: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
+    "bench:old-window": [(dlmod.Downloader, "_pump", lambda _: _old_pump)],
+    "bench:old-hint": [(ReadPlan, "upcoming", lambda _: _old_upcoming)],
+    # Before the files made ahead (the reader still hints one chunk more; unused).
+    "bench:no-ahead": [
+        (dlmod.Downloader, "_make_ahead", lambda _: _no_ahead),
+        (TempFile, "publish", _truncating),
+    ],
 }
 
 
@@ -341,9 +363,9 @@ def behaviour(switches: list[str]) -> Any:
     """The old behaviours named in ``switches`` for the duration (workers fork inside)."""
     saved = []
     for name in switches:
-        cls, attr, fn = _OLD[name]
-        saved.append((cls, attr, getattr(cls, attr)))
-        setattr(cls, attr, fn)
+        for cls, attr, make in _OLD[name]:
+            saved.append((cls, attr, getattr(cls, attr)))
+            setattr(cls, attr, make(getattr(cls, attr)))
     try:
         yield
     finally:
@@ -804,8 +826,8 @@ def main() -> None:
         nargs="+",
         default=[""],
         help="settings to compare, each NAME=VALUE[,NAME=VALUE] ('' for the defaults; "
-        "bench:old-window, bench:old-hint: the behaviour before), run in turn in every "
-        "repetition",
+        "bench:old-window, bench:old-hint, bench:no-ahead: the behaviour before), run in "
+        "turn in every repetition",
     )
     ap.add_argument("--out", type=str, default="", help="also write the report to this file")
     ap.add_argument(

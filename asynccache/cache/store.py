@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 EVICT_LOCK = ".evict.lock"
 _EVICT_LOCK_TIMEOUT_S = 30.0
 _TRIM_WAIT_S = 1.0
+_YIELD_S = 0.005  # a file made ahead waits this long for a download's reservation
 
 
 class ChunkStore:
@@ -109,6 +110,7 @@ class ChunkStore:
         self.durable = durable
         self.policy: PlanPolicy | None = None
         self._ready: dict[str, TempFile] = {}  # made ahead, not taken yet (reserve_ahead)
+        self._demands = 0  # reservations (not made ahead) waiting for the eviction mutex
         self._closed = False
         self._ensure_layout()
         forksafe.register(self)
@@ -292,14 +294,22 @@ class ChunkStore:
             DiskFullError: the filesystem cannot take ``size`` more bytes even after
                 evicting every unpinned chunk (names the directory).
         """
-        async with self._evict_mutex():
-            fd = await self._lock_evict()
-            try:
-                return await in_thread(
-                    self._reserve_locked, fd, name, size, ahead, undo=TempFile.discard
-                )
-            finally:
-                forksafe.close_fd(fd)
+        self._demands += 1  # files being made ahead let it go first (reserve_ahead)
+        queued = True
+        try:
+            async with self._evict_mutex():
+                self._demands -= 1
+                queued = False
+                fd = await self._lock_evict()
+                try:
+                    return await in_thread(
+                        self._reserve_locked, fd, name, size, ahead, undo=TempFile.discard
+                    )
+                finally:
+                    forksafe.close_fd(fd)
+        finally:
+            if queued:
+                self._demands -= 1
 
     # -- temporary files made ahead -------------------------------------------------------
     async def reserve_ahead(self, name: str, size: int) -> bool:
@@ -319,14 +329,22 @@ class ChunkStore:
         if self._closed:
             return False
         try:
-            async with self._evict_mutex():
-                fd = await self._lock_evict()
-                try:
-                    tmp = await in_thread(
-                        self._reserve_spare_locked, fd, name, size, undo=TempFile.discard
-                    )
-                finally:
-                    forksafe.close_fd(fd)
+            mutex = self._evict_mutex()
+            tmp: TempFile | None = None
+            while tmp is None:
+                async with mutex:
+                    if not self._demands:
+                        fd = await self._lock_evict()
+                        try:
+                            tmp = await in_thread(
+                                self._reserve_spare_locked, fd, name, size, undo=TempFile.discard
+                            )
+                        finally:
+                            forksafe.close_fd(fd)
+                if tmp is None:
+                    # A download waits for its own reservation: it goes first (the mutex
+                    # wakes its waiters in order, and this one queues again behind them).
+                    await asyncio.sleep(_YIELD_S)
         except (Deferred, CacheError) as exc:
             log.debug("no temporary file made ahead for %s: %s", name, exc)
             return False
@@ -617,6 +635,7 @@ class ChunkStore:
         # them, never close twice (the files are the parent's to use or remove).
         self._mu = threading.Lock()
         self._amutex = None
+        self._demands = 0
         self._pins = {}
         self._reached = {}
         self._ready = {}
