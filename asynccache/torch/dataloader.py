@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import os
 import secrets
 import threading
@@ -33,7 +32,6 @@ from .writepass import (
     wait_for_index,
 )
 
-_log = logging.getLogger("asynccache.loader")
 _UNSUPPORTED = ("sampler", "batch_sampler")
 # torch DataLoader arguments the inner loaders take from this one's attributes.
 _PASSED = (
@@ -81,24 +79,6 @@ def _ended(loader: Any, it: Iterator[Any]) -> Iterator[None]:
         if not getattr(loader, "persistent_workers", False):
             _shut_down(it)
         raise
-    _report_killed(it)
-
-
-def _report_killed(it: Iterator[Any]) -> None:
-    """Log the workers of a finished epoch that torch ended by a signal: it terminates a
-    worker that has not exited some seconds after the epoch's end (its exit waits for
-    the publishes of chunks it read; the worker's iteration waits for them first, see
-    ``StreamingDataset._settle``, so this should not happen). A chunk such a worker was
-    still publishing is not in the cache; it is downloaded again when next read."""
-    for w in getattr(it, "_workers", ()):
-        code = getattr(w, "exitcode", None)
-        if code is not None and code < 0:
-            _log.warning(
-                "DataLoader worker %s was ended by signal %d after the epoch; chunks it "
-                "was still publishing are not in the cache and will be downloaded again",
-                w.pid,
-                -code,
-            )
 
 
 def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from ..source import DatasetSource
 from ..tokens import TokenBlocks, TokenUnits
 from . import batches, distributed
 
+log = logging.getLogger(__name__)
 STATE_VERSION = 1
 _BLOCK = 512  # positions materialised at a time; bounds memory per worker
 _LOOKAHEAD = 8192  # positions scanned at a time when looking for the next chunks
@@ -406,10 +408,18 @@ class StreamingDataset(IterableDataset[Any]):
         """At the end of a DataLoader worker's iteration: wait (bounded by ``timeout_s``)
         for the publishes of chunks it read before their publish ended. Its exit would
         wait for them too, but torch ends a worker that has not exited 5 s after the
-        epoch, and a chunk whose fsync ran past that was lost to the cache (docs/streaming.md,
-        "Statistics")."""
-        if get_worker_info() is not None and self.source.remote:
-            self.source.wait_published()
+        epoch (with exit status 0), and a chunk whose fsync ran past that was lost to the
+        cache (docs/streaming.md, "Statistics"). Past the bound, a warning says so."""
+        if get_worker_info() is None or not self.source.remote:
+            return
+        if not self.source.wait_published():
+            log.warning(
+                "%s: chunk publishes still running %gs after this DataLoader worker's "
+                "iteration ended (ASYNCCACHE_TIMEOUT_S); if the worker is ended before they "
+                "finish, those chunks are not cached and will be downloaded again",
+                self.source.url,
+                self.settings.timeout_s,
+            )
 
     def download_stats(self) -> dict[str, float]:
         """Download counters summed over this process and every DataLoader worker that

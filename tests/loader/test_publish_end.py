@@ -8,15 +8,20 @@ that was lost to the cache (downloaded and counted, never published).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import sys
 import time
+import uuid
 
+import pytest
 import torch.utils.data._utils as torch_data_utils
 
 import asynccache.download.downloader as downloader
 from asynccache import CacheDataLoader, Settings, StreamingDataset
+from asynccache.source import DatasetSource
 from asynccache.upload import upload
 from tests.loader.datasets import DictDataset
 
@@ -37,13 +42,23 @@ def _slow_publishes(marks: str, _worker_id: int) -> None:
     downloader._publish_adopted = slow
 
 
-def test_every_chunk_read_in_an_epoch_is_published_when_it_ends(
-    objstore, bucket, tmp_path, monkeypatch, caplog
-):
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def uploaded(objstore, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The URL of a small dataset of several chunks (deleted after the module)."""
+    src = tmp_path_factory.mktemp("src")
     list(CacheDataLoader(DictDataset(N), cache_dir=src, chunk_size=4, batch_size=8))
-    url = f"s3://{bucket}/ds"
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    objstore.create_bucket(name)
+    url = f"s3://{name}/ds"
     upload(src, url, objstore.storage_options, settings=Settings.from_env(progress=False))
+    yield url
+    with contextlib.suppress(Exception):
+        objstore.delete_bucket(name)
+
+
+def _epoch(url, objstore, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """One epoch of two workers whose every publish is slow, torch waiting only briefly
+    for them to exit: the loader, its dataset, the chunk names and those published."""
     cache = tmp_path / "c"
     ds = StreamingDataset(
         url,
@@ -63,19 +78,29 @@ def test_every_chunk_read_in_an_epoch_is_published_when_it_ends(
         multiprocessing_context="fork",
         worker_init_fn=functools.partial(_slow_publishes, str(marks)),
     )
-    with caplog.at_level(logging.WARNING, logger="asynccache"):
-        assert sum(1 for _ in dl) == N // 4
+    assert sum(1 for _ in dl) == N // 4
     assert sorted(marks.read_text().split()) == names, "every chunk's publish was slowed"
-    published = sorted(
+    return dl, names, _published(cache)
+
+
+def _published(cache):  # type: ignore[no-untyped-def]
+    return sorted(
         f
         for _, _, files in os.walk(cache)
         for f in files
         if f.startswith("chunk-") and f.endswith(".bin")
     )
+
+
+def test_every_chunk_read_in_an_epoch_is_published_when_it_ends(
+    uploaded, objstore, tmp_path, monkeypatch, capfd
+):
+    dl, names, published = _epoch(uploaded, objstore, tmp_path, monkeypatch)
     assert published == names, "a chunk read in the epoch is missing from the cache"
-    assert not [r for r in caplog.records if "ended by signal" in r.getMessage()]
+    assert "chunk publishes still running" not in capfd.readouterr().err
     stats = dl.stats
     assert stats.chunks_fetched == len(names)
+    cache = tmp_path / "c"
     on_disk = sum(
         os.path.getsize(os.path.join(d, f))
         for d, _, fs in os.walk(cache)
@@ -86,3 +111,21 @@ def test_every_chunk_read_in_an_epoch_is_published_when_it_ends(
     # The next epoch's new workers find every chunk in the cache.
     assert sum(1 for _ in dl) == N // 4
     assert dl.stats.chunks_fetched == len(names)
+
+
+def test_publishes_left_past_the_bound_are_reported(
+    uploaded, objstore, tmp_path, monkeypatch, capfd
+):
+    """When the wait at the end of a worker's iteration gives up (``timeout_s``), the
+    worker says so: torch may then end it (with exit status 0) before those publishes
+    finish, and their chunks are lost to the cache, as here."""
+    monkeypatch.setattr(DatasetSource, "wait_published", lambda self: False)  # gave up
+    handler = logging.StreamHandler(sys.stderr)  # (the workers inherit it)
+    logging.getLogger("asynccache").addHandler(handler)
+    try:
+        _, names, published = _epoch(uploaded, objstore, tmp_path, monkeypatch)
+    finally:
+        logging.getLogger("asynccache").removeHandler(handler)
+    assert published != names, "the race did not happen: the test proves nothing"
+    err = capfd.readouterr().err
+    assert "chunk publishes still running" in err and "will be downloaded again" in err
