@@ -117,7 +117,7 @@ class _Conn(asyncio.BufferedProtocol):
             else:  # bytes nobody asked for: the connection is not usable any more
                 self.reusable = False
                 self._abort()
-        except BaseException as exc:  # the sink's own error (a full disk) ends the request
+        except Exception as exc:  # the sink's own error (a full disk) ends the request
             self._fail(exc)
 
     def eof_received(self) -> bool:
@@ -128,8 +128,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.reusable = False
         if self.state in (_IDLE, _DONE) or self.waiter is None or self.waiter.done():
             return
-        if self.state == _ERRBODY and exc is None:
-            self._error_body(memoryview(b""), closed=True)  # the body ended with the connection
+        if self.state == _ERRBODY:  # the status says what failed: map what came of the body
+            self._error_body(memoryview(b""), closed=True)
             return
         if self.state == _BODY:
             if exc is not None:
