@@ -319,10 +319,11 @@ class ChunkStore:
         The slow steps of a reservation (the cache-wide lock, another process's
         reservation, creating and preallocating the file, which on ext4 waits for a
         journal commit in flight) then overlap the downloads before it. Only into room
-        the cache has now: nothing is evicted for it, and under a plan that does not fit
-        the whole dataset the whole cache must stay within the prefetch room. True when a
-        file for ``name`` is ready; False when none could be made now (no room, a full
-        disk: the download's own reservation then evicts or reports it).
+        the cache has now (nothing is evicted for it), and never under a plan whose
+        dataset does not fit the budget (there the plan's prefetch room decides what is
+        fetched ahead). True when a file for ``name`` is ready; False when none could be
+        made now (no room, a full disk: the download's own reservation then evicts or
+        reports it).
         """
         if name in self._ready:
             return True
@@ -496,12 +497,14 @@ class ChunkStore:
     def _reserve_spare_locked(self, fd: int, name: str, size: int) -> TempFile:
         """:meth:`_reserve_locked` without evicting: :class:`.plan.Deferred` when the
         bytes do not fit as the cache stands."""
+        policy = self.policy
+        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
+            # The plan's prefetch room decides what is fetched ahead: a file made for a
+            # chunk past the window would count there as fetched and hold back the window.
+            raise Deferred(name)
         ledger = usage.read_ledger(fd)
         now = time.time()
-        policy = self.policy
         limit = self.max_cache_bytes
-        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
-            limit -= policy.min_bytes  # the whole cache within the prefetch room
         room = self._room()
         if ledger is not None and ledger.trusted(now) and ledger.used + size <= limit:
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at

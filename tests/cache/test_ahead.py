@@ -143,3 +143,17 @@ def test_children_do_not_hold_files_made_ahead(tmp_path, method) -> None:
         tmp._close()  # the parent lets go without removing it, as if it died
         assert sweep_orphans(store.root) == [name]  # no child keeps its lock alive
         assert child.is_alive()
+
+
+def test_no_file_ahead_under_a_plan_whose_dataset_does_not_fit(tmp_path) -> None:
+    from test_plan import SIZE as CHUNK
+    from test_plan import policy, two_readers
+
+    plan = policy(two_readers(), [0, 0])  # 6 chunks, at least 3 at once
+    small = ChunkStore(tmp_path / "a", max_cache_bytes=8 * CHUNK)
+    small.policy = plan  # the prefetch room decides: 5 chunks of room, 6 to read
+    assert not asyncio.run(small.reserve_ahead(NAMES[1], CHUNK)) and _temps(small) == []
+    whole = ChunkStore(tmp_path / "b", max_cache_bytes=9 * CHUNK)
+    whole.policy = plan  # the whole dataset fits beside the minimum
+    assert asyncio.run(whole.reserve_ahead(NAMES[1], CHUNK)) and len(_temps(whole)) == 1
+    whole.close()
