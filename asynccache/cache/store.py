@@ -349,6 +349,13 @@ class ChunkStore:
         except (Deferred, CacheError) as exc:
             log.debug("no temporary file made ahead for %s: %s", name, exc)
             return False
+        # Its download lock file too, if new: creating a file waits for a journal commit
+        # in flight just as the temporary file did; opening one that exists does not.
+        try:
+            await in_thread(self._make_lock_file, name)
+        except BaseException:
+            tmp.discard()  # cancelled: removed; its bytes stay on the ledger (errs high)
+            raise
         with self._mu:
             keep = not self._closed and name not in self._ready
             if keep:
@@ -356,6 +363,10 @@ class ChunkStore:
         if not keep:
             await self._release([tmp])
         return True
+
+    def _make_lock_file(self, name: str) -> None:
+        with contextlib.suppress(CacheError):
+            forksafe.close_fd(open_lock_file(self.lock_path(name), self._ensure_layout))
 
     async def take_ahead(self, name: str, size: int) -> TempFile | None:
         """The temporary file made ahead for ``name`` (``size`` bytes), now the caller's
