@@ -737,7 +737,15 @@ class StreamingDataset(IterableDataset[Any]):
         dl = self.source.downloader()
         if int(self.index.bytes_per_chunk.sum()) > dl.store.max_cache_bytes:
             return
-        chunks = self._workers_first_chunks(p, order, received)
+        # Only what this process's connections carry at once (each a part of the start
+        # size): a chunk started later here would find a worker downloading it already.
+        room = self.settings.max_concurrency * self.settings.part_bytes
+        chunks: list[int] = []
+        for c in self._workers_first_chunks(p, order, received):
+            if room <= 0 or len(chunks) >= max(self.settings.prefetch_chunks, 1):
+                break
+            chunks.append(c)
+            room -= int(self.index.bytes_per_chunk[c])
         if chunks:
             dl.hold_prefetch(self.settings.timeout_s)
             dl.hint([self.source.spec(c) for c in chunks])
