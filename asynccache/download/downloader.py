@@ -206,6 +206,7 @@ class Downloader:
                 timeout_s=self.settings.timeout_s,
                 slot=self._range_gate.slot,
                 stats=self.stats,
+                link=self._link,
             )
             for start, end in ranges
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..errors import StorageTimeoutError, TransientError
 from ..storage.base import Storage
+from .link import LinkEstimate
 from .parts import next_delay
 from .retry import RetryPolicy
 from .stats import DownloadStats
@@ -45,11 +47,14 @@ async def read_range(
     timeout_s: float,
     slot: Callable[[], AbstractAsyncContextManager[None]],
     stats: DownloadStats,
+    link: LinkEstimate | None = None,
 ) -> np.ndarray:
     """Bytes ``[start, end)`` of ``key`` in a 64-byte-aligned buffer.
 
     Each attempt holds one ``slot()`` and is bounded by ``timeout_s``; a transient
     failure resumes from the first byte not yet received, within ``policy``'s budget.
+    A complete first attempt tells ``link`` (optional) its time to first byte and the
+    rate of the rest of its body, as a chunk part does.
 
     Raises:
         RetriesExhaustedError: the retry budget ran out (the last cause chained).
@@ -62,14 +67,19 @@ async def read_range(
         try:
             async with slot():
                 stats.range_gets += 1
+                sent, first, after_first = time.monotonic(), 0.0, 0
                 async with asyncio.timeout(timeout_s):
                     async for piece in storage.iter_range(key, pos, end):
                         n = min(len(piece), end - pos)
                         buf[pos - start : pos - start + n] = np.frombuffer(piece, np.uint8, n)
                         pos += n
                         stats.range_bytes += n
+                        if not first:
+                            first, after_first = time.monotonic(), pos
                         if pos >= end:
                             break
+                if link is not None and first and pos >= end and not failures:
+                    link.observe(first - sent, pos - after_first, time.monotonic() - first)
             if pos < end:
                 raise TransientError(
                     f"short body from {storage.object_url(key)} bytes {start}-{end}",

@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from .. import lifeline
 from ..batchread import ChunkForms, Form, Leaf, assemble_into
 from ..config import Settings
+from ..download.link import endpoint_of, link_for
 from ..errors import ConfigError, ResumeStateError
 from ..reader import Reader
 from ..sampling import Plan, Segment, consumed_to_remaining, plan
@@ -44,6 +45,11 @@ _STATS_AT = _SLOTS * 8 + 8 + _PLAN_BYTES
 # the first batch's items are read by range from a shuffled order: a second batch's 64
 # more item GETs made the first 2-3x later (0.42-0.62 s against 0.18-0.39 at load 2-4).
 _LEAD_BATCHES = 2
+# The main process starts the workers' first chunks only on a link where downloading them
+# takes at least this long (see StreamingDataset._head_go): on loopback (about 0.25 s for
+# two 64 MiB chunks) a worker's wait for the main process's fsync cost more than it saved.
+_HEAD_MIN_S = 1.0
+_HEAD_MIN_TTFB_S = 0.01  # ... or, with no rate measured yet, where a first byte takes this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -709,10 +715,28 @@ class StreamingDataset(IterableDataset[Any]):
         """The lead batches are built (their range reads are in): the downloads
         :meth:`_head_start` readied may take this process's connections now. Not before:
         on loopback a download moves hundreds of MB/s on this process's I/O thread, and
-        the batches being built would share the interpreter lock with it."""
+        the batches being built would share the interpreter lock with it.
+
+        Only on a link where they take at least ``_HEAD_MIN_S`` (as the link measured
+        so far, the range reads included, says; with no rate yet, where a first byte
+        takes at least ``_HEAD_MIN_TTFB_S``): a worker waits for the published name,
+        the main process's fsync included, and where the download is quicker than that
+        the worker does better fetching the chunk itself (it reads its own download
+        before the fsync). Elsewhere they are cancelled here."""
         heads = self.__dict__.get("_heads")
-        if heads is not None and heads[0] == os.getpid():
-            heads[1].release_prefetch()
+        if heads is None or heads[0] != os.getpid():
+            return
+        dl, size, parts = heads[1:]
+        link = link_for(endpoint_of(dl.storage))
+        rate, ttfb = link.bytes_per_s, link.ttfb_s
+        if rate is not None:
+            slow = size / (rate * min(parts, self.settings.max_concurrency)) >= _HEAD_MIN_S
+        else:  # (loopback hands a range read over in one piece: no rate, a first byte)
+            slow = ttfb is None or ttfb >= _HEAD_MIN_TTFB_S
+        if slow:
+            dl.release_prefetch()
+        else:
+            self._head_stop()
 
     def _head_start(self, p: Plan, order: ReadOrder, received: int) -> None:
         """In the main process, before the DataLoader workers start: start downloading
@@ -749,7 +773,9 @@ class StreamingDataset(IterableDataset[Any]):
         if chunks:
             dl.hold_prefetch(self.settings.timeout_s)
             dl.hint([self.source.spec(c) for c in chunks])
-            self.__dict__["_heads"] = (os.getpid(), dl)
+            sizes = [int(self.index.bytes_per_chunk[c]) for c in chunks]
+            parts = sum(-(-n // self.settings.part_bytes) for n in sizes)
+            self.__dict__["_heads"] = (os.getpid(), dl, sum(sizes), parts)
 
     def _head_stop(self) -> None:
         """The epoch is over: cancel what :meth:`_head_start` started and nobody took."""

@@ -7,8 +7,11 @@ saw), that the link knobs fired, and that every byte arrived intact.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
-from dl_support import make_chunks
+from dl_support import DictStorage, make_chunks
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,6 +28,9 @@ from asynccache.download.link import (
     link_for,
     part_bytes_for,
 )
+from asynccache.download.ranges import read_range
+from asynccache.download.retry import RetryPolicy
+from asynccache.download.stats import DownloadStats
 from asynccache.errors import ConfigError
 from asynccache.storage import open_storage
 from asynccache.testing.faults import FaultProxy
@@ -270,3 +276,33 @@ def test_endpoint_is_the_s3_endpoint_or_the_url_host() -> None:
     assert endpoint_of(S3Like()) == "http://127.0.0.1:8333"
     assert endpoint_of(HttpLike()) == "https://host:8443"
     assert link_for("https://host:8443") is link_for("https://host:8443")
+
+
+def test_a_range_read_tells_the_link_its_first_byte_and_rate() -> None:
+    """The first batches' range reads measure the link as a chunk's parts do: the main
+    process of a DataLoader judges by them whether to start the workers' first chunks."""
+    storage = DictStorage({"k": bytes(1 << 20)}, piece=1 << 16)
+    storage.delay_s = 0.005  # before each piece: the first byte waits at least this
+    link = LinkEstimate()
+
+    @contextlib.asynccontextmanager
+    async def slot():
+        yield
+
+    body = asyncio.run(
+        read_range(
+            storage,
+            "k",
+            0,
+            1 << 20,
+            policy=RetryPolicy(1, 0.01, 0.01),
+            timeout_s=10,
+            slot=slot,
+            stats=DownloadStats(),
+            link=link,
+        )
+    )
+    assert len(body) == 1 << 20
+    assert link.observed == 1
+    assert link.ttfb_s is not None and link.ttfb_s >= 0.005
+    assert link.bytes_per_s is not None

@@ -21,6 +21,7 @@ import torch
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset
 from asynccache.testing.faults import Fault, FaultProxy
+from asynccache.torch import streaming
 from asynccache.upload import upload
 from asynccache.writer import ChunkWriter, merge_dir
 
@@ -71,7 +72,17 @@ def _whole_gets(requests, index) -> collections.Counter[str]:
     )
 
 
-def test_main_process_fetches_the_workers_first_chunks_each_chunk_once(remote, objstore, tmp_path):
+@pytest.fixture
+def slow_enough(monkeypatch):
+    """Any link counts as slow enough for the head start (this dataset's chunks take
+    well under the second the default asks for)."""
+    monkeypatch.setattr(streaming, "_HEAD_MIN_S", 0.0)
+    monkeypatch.setattr(streaming, "_HEAD_MIN_TTFB_S", 0.0)
+
+
+def test_main_process_fetches_the_workers_first_chunks_each_chunk_once(
+    remote, objstore, tmp_path, slow_enough
+):
     _, index = remote
     with FaultProxy(objstore.endpoint_url, latency_s=0.02, conn_bytes_per_s=4_000_000) as proxy:
         dl, ds = _loader(remote, proxy, objstore, tmp_path / "cache")
@@ -117,7 +128,24 @@ def test_under_a_budget_the_main_process_starts_nothing(remote, objstore, tmp_pa
         assert table[:, 0].sum() == total
 
 
-def test_what_the_main_process_started_ends_with_the_epoch(remote, objstore, tmp_path):
+def test_on_a_fast_link_the_workers_fetch_their_own(remote, objstore, tmp_path, monkeypatch):
+    """A link judged fast (the thresholds raised, so a loaded machine's slow loopback
+    counts as fast too): the main process cancels the head chunks once its first batches
+    are built, and the workers fetch them, each once."""
+    monkeypatch.setattr(streaming, "_HEAD_MIN_S", 1e9)
+    monkeypatch.setattr(streaming, "_HEAD_MIN_TTFB_S", 1e9)
+    _, index = remote
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        dl, ds = _loader(remote, proxy, objstore, tmp_path / "cache")
+        keys = torch.cat([b["i"] for b in dl]).tolist()
+        assert sorted(keys) == list(range(ITEMS))
+        table = ds._stat_table()
+        assert table[MAIN_ROW, 1] == 0
+        assert table[:, 1].sum() == index.num_chunks
+        assert _whole_gets(proxy.requests, index) == {c.filename: 1 for c in index.chunks}
+
+
+def test_what_the_main_process_started_ends_with_the_epoch(remote, objstore, tmp_path, slow_enough):
     _, index = remote
     cache = tmp_path / "cache"
     firsts = [index.filename(0), index.filename(4)]
