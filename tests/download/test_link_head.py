@@ -51,12 +51,14 @@ def remote(objstore, tmp_path_factory):
     return url, index
 
 
-def _loader(remote, proxy, objstore, cache_dir, **kw) -> tuple[CacheDataLoader, StreamingDataset]:
+def _loader(
+    remote, proxy, objstore, cache_dir, max_cache_bytes=None
+) -> tuple[CacheDataLoader, StreamingDataset]:
     ds = StreamingDataset(
         remote[0],
         cache_dir=cache_dir,
         storage_options=dict(objstore.storage_options, endpoint_url=proxy.url),
-        **kw,
+        settings=Settings.from_env(head_start=True, max_cache_bytes=max_cache_bytes),
     )
     return CacheDataLoader(ds, batch_size=BATCH, num_workers=2), ds
 
