@@ -84,9 +84,10 @@ class Settings:
     # every batch; docs/streaming.md).
     first_batch_here: bool = True
     # With DataLoader workers, the main process starts downloading each worker's first
-    # chunks while the workers start; the workers then find them downloading (0: each
-    # worker fetches its own; docs/cache.md, "The workers' first chunks").
-    head_start: bool = True
+    # chunks while the workers start, on a slow link; the workers then find them
+    # downloading (off: each worker fetches its own; docs/cache.md, "The workers' first
+    # chunks": measured, it paid only where the workers were slow to start).
+    head_start: bool = False
     # How the S3 and HTTP backends receive chunk parts: "direct" (our own HTTP/1.1
     # receiver, one reused buffer per connection, docs/storage.md) or "aiohttp".
     receive: str = "direct"
