@@ -14,25 +14,49 @@ other files' fsyncs), and an I/O thread blocked there receives nothing on any co
 One thread, so requests that block queue behind each other there and never take the
 executor threads that verify and publish chunks.
 
+A request costs the I/O thread little: no future and no executor work item, just an
+entry on a queue the thread drains, and a wake-up only when the thread sleeps (while it
+works through the queue, or blocks in a call, new requests wait there without one). What
+it finds queued it coalesces: adjacent ranges of one file become one call.
+
+Descriptor lifetime: each queued request holds a duplicate of the file's descriptor, made
+on the requesting thread while the file is open (:func:`asynccache.forksafe.dup_fd`), and
+closed by the writeback thread once the request is done or dropped. A call therefore
+always names the file it was asked for, even when the file was published, discarded and
+its descriptor number reused meanwhile; a file closed before its turn is skipped (its
+writeback would be work for nothing). A forked child closes the duplicates it inherited
+(they are tracked) and starts a queue and thread of its own; the parent's are never
+touched there. The queue is bounded (:data:`MAX_QUEUED`): past it a request is dropped,
+which changes nothing but timing.
+
 Linux only; elsewhere (or when libc lacks the call) :func:`start_writeback` does nothing.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import ctypes
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["WRITEBACK_BYTES", "request_writeback", "start_writeback"]
+from .. import forksafe
+
+__all__ = ["MAX_QUEUED", "WRITEBACK_BYTES", "flush", "request_writeback", "start_writeback"]
+
+log = logging.getLogger(__name__)
 
 #: How many written bytes of one stream to gather before asking for their writeback.
 WRITEBACK_BYTES = 8 << 20
 
+#: Requests waiting for the writeback thread at most; past it a request is dropped.
+MAX_QUEUED = 256
+
 _SYNC_FILE_RANGE_WRITE = 2
+_IDLE_WAIT_S = 60.0  # the sleeping thread looks at its queue at least this often
 
 
 def _load() -> Callable[[int, int, int, int], int] | None:
@@ -66,49 +90,132 @@ class _Open(Protocol):
     fd: int | None
 
 
+_Request = tuple[_Open, int, int, int]  # (file, our duplicate of its descriptor, offset, nbytes)
+
+
+class _Writer:
+    """One process's writeback thread and the queue it drains (see the module docstring).
+
+    Invariants: only the thread pops the queue; ``sleeping`` is True only while the thread
+    waits (or is about to wait) on ``wake`` and has seen the queue empty after setting it,
+    so a request appended then always finds it True and sets ``wake``; ``busy`` counts the
+    requests taken off the queue and not done yet (for :func:`flush`).
+    """
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[_Request] = collections.deque()
+        self.wake = threading.Event()
+        self.idle = threading.Condition(threading.Lock())
+        self.sleeping = False
+        self.busy = 0
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name="asynccache-writeback", daemon=True)
+        self.thread.start()
+
+    def put(self, request: _Request) -> None:
+        self.queue.append(request)
+        if self.sleeping:
+            self.sleeping = False
+            self.wake.set()
+
+    def _run(self) -> None:
+        queue = self.queue
+        while True:
+            if not queue:
+                self.wake.clear()
+                self.sleeping = True
+                if not queue:
+                    with self.idle:
+                        self.idle.notify_all()
+                    self.wake.wait(_IDLE_WAIT_S)
+                self.sleeping = False
+                continue
+            batch: list[_Request] = []
+            while queue:
+                batch.append(queue.popleft())
+            self.busy = len(batch)
+            try:
+                _write_back(batch)
+            except Exception as exc:  # best effort: the fsync at publish still waits
+                log.debug("writeback of %d ranges failed: %r", len(batch), exc)
+            finally:
+                self.busy = 0
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every request queued before this call is done (at most ``timeout``
+        seconds); True when the queue is empty and the thread idle."""
+        with self.idle:
+            return self.idle.wait_for(
+                lambda: not self.queue and not self.busy and self.sleeping, timeout
+            )
+
+
+def _write_back(batch: list[_Request]) -> None:
+    """Start the writeback of ``batch``: adjacent ranges of one file in one call, files
+    closed meanwhile skipped; every duplicate descriptor closed, whatever happens."""
+    try:
+        batch.sort(key=lambda r: (id(r[0]), r[2]))
+        i = 0
+        while i < len(batch):
+            out, fd, offset, nbytes = batch[i]
+            j = i + 1
+            while j < len(batch) and batch[j][0] is out and batch[j][2] <= offset + nbytes:
+                nbytes = max(nbytes, batch[j][2] + batch[j][3] - offset)
+                j += 1
+            if out.fd is not None:  # closed (published, discarded): nothing to ask
+                start_writeback(fd, offset, nbytes)
+            i = j
+    finally:
+        for request in batch:
+            forksafe.close_fd(request[1])
+
+
 _mu = threading.Lock()
-_thread: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, thread)
+_writer: _Writer | None = None
 
 
-def _writer() -> concurrent.futures.ThreadPoolExecutor:
+def _get() -> _Writer:
     """This process's writeback thread (a forked child starts its own: the parent's
-    thread does not exist there)."""
-    global _thread
-    pid = os.getpid()
-    held = _thread
-    if held is not None and held[0] == pid:
-        return held[1]
+    thread does not exist there, and its queue is left alone)."""
+    global _writer
+    held = _writer
+    if held is not None and held.pid == os.getpid():
+        return held
     with _mu:
-        if _thread is None or _thread[0] != pid:
-            _thread = (pid, concurrent.futures.ThreadPoolExecutor(1, "asynccache-writeback"))
-        return _thread[1]
+        if _writer is None or _writer.pid != os.getpid():
+            _writer = _Writer()
+        return _writer
 
 
 def _after_fork_in_child() -> None:
-    global _mu, _thread
-    _mu, _thread = threading.Lock(), None
+    global _mu, _writer
+    _mu, _writer = threading.Lock(), None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def request_writeback(
-    out: _Open, offset: int, nbytes: int
-) -> concurrent.futures.Future[None] | None:
+def request_writeback(out: _Open, offset: int, nbytes: int) -> bool:
     """:func:`start_writeback` of ``out``'s range, from this process's writeback thread,
-    without waiting for it (see the module's docstring).
+    without waiting for it (see the module's docstring). Call it while ``out`` is open.
 
-    The file may be closed (published, discarded) before the thread gets to it: then
-    nothing is asked. A descriptor number reused meanwhile could only start the writeback
-    of another file's pages, which changes nothing but timing. Returns the request's
-    future (None when there is nothing to ask), which nobody needs to wait for.
+    True when the request was queued; False when there is nothing to ask (no range, no
+    ``sync_file_range``, ``out`` closed) or the queue is full (dropped: best effort).
     """
-    if _sync_file_range is None or nbytes <= 0:
-        return None
-    return _writer().submit(_writeback_of, out, offset, nbytes)
-
-
-def _writeback_of(out: _Open, offset: int, nbytes: int) -> None:
     fd = out.fd
-    if fd is not None:
-        start_writeback(fd, offset, nbytes)
+    if _sync_file_range is None or nbytes <= 0 or fd is None:
+        return False
+    writer = _get()
+    if len(writer.queue) >= MAX_QUEUED:
+        return False
+    writer.put((out, forksafe.dup_fd(fd), offset, nbytes))
+    return True
+
+
+def flush(timeout: float = 10.0) -> bool:
+    """Wait (at most ``timeout`` seconds) until this process's writeback requests so far
+    are done; True when none is left. For tests and benchmarks: nothing needs to wait."""
+    held = _writer
+    if held is None or held.pid != os.getpid():
+        return True
+    return held.flush(timeout)
