@@ -21,6 +21,7 @@ from .transport import (
     SessionHolder,
     check_range,
     range_header,
+    receive_ranged,
     send_following,
     stream_response,
 )
@@ -103,20 +104,16 @@ class HttpStorage(Storage):
             yield piece
 
     async def _receive_into_impl(self, key: str, start: int, end: int, sink: Sink) -> None:
-        pool = self._sessions.direct()
-        url = self.object_url(key)
-        check_range(start, end, url)
-        if pool is None or end == start:
-            await super()._receive_into_impl(key, start, end, sink)
-            return
+        await receive_ranged(
+            self, self._sessions, key, start, end, sink, self._direct_request, self._source
+        )
+
+    async def _direct_request(self, key: str, rng: str) -> tuple[str, dict[str, str]]:
         # The dataset's own origin: its headers go along (a redirect is left to aiohttp,
         # which keeps them from other origins).
-        headers = {"Accept-Encoding": "identity", "Range": range_header(start, end) or ""}
+        headers = {"Accept-Encoding": "identity", "Range": rng}
         headers.update(self._headers)
-        if not await pool.get(
-            self._href(key), headers, start, end, sink, url=url, credential_source=self._source
-        ):
-            await super()._receive_into_impl(key, start, end, sink)  # left to aiohttp
+        return self._href(key), headers
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
         raise StorageError(

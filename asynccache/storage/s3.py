@@ -26,6 +26,7 @@ from .transport import (
     check_range,
     encoded_url,
     range_header,
+    receive_ranged,
     send_small,
     stream_response,
 )
@@ -165,19 +166,14 @@ class S3Storage(Storage):
             yield piece
 
     async def _receive_into_impl(self, key: str, start: int, end: int, sink: Sink) -> None:
-        pool = self._sessions.direct()
-        url = self.object_url(key)
-        check_range(start, end, url)
-        if pool is None or end == start:
-            await super()._receive_into_impl(key, start, end, sink)
-            return
+        await receive_ranged(
+            self, self._sessions, key, start, end, sink, self._direct_request, self.signer.source
+        )
+
+    async def _direct_request(self, key: str, rng: str) -> tuple[str, dict[str, str]]:
         href = self.href(key)
-        async with map_client_errors(url):
-            signed = await self.signer.sign("GET", href, {"Range": range_header(start, end) or ""})
-        if not await pool.get(
-            href, signed, start, end, sink, url=url, credential_source=self.signer.source
-        ):
-            await super()._receive_into_impl(key, start, end, sink)  # left to aiohttp
+        async with map_client_errors(self.object_url(key)):
+            return href, await self.signer.sign("GET", href, {"Range": rng})
 
     async def _list_impl(self, prefix: str) -> list[ObjectInfo]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -18,6 +18,7 @@ from yarl import URL
 
 from ..config import Settings
 from ..errors import BridgeError, ConfigError, StorageError, TransientError
+from .base import Sink, Storage
 from .errmap import map_client_errors, status_error
 from .wire import DirectPool
 
@@ -28,6 +29,7 @@ __all__ = [
     "header_option",
     "past_end",
     "range_header",
+    "receive_ranged",
     "send_following",
     "stream_body",
     "verify_tls",
@@ -186,6 +188,38 @@ class SessionHolder:
         session, self._session = self._session, None
         if session is not None and not session.closed:
             await session.close()
+
+
+#: How a backend makes the GET of a range for our own receiver: ``(key, Range header)``
+#: to ``(href, headers)``, the href percent-encoded (maybe signed), the headers final.
+DirectRequest = Callable[[str, str], Awaitable[tuple[str, Mapping[str, str]]]]
+
+
+async def receive_ranged(
+    storage: Storage,
+    sessions: SessionHolder,
+    key: str,
+    start: int,
+    end: int,
+    sink: Sink,
+    request: DirectRequest,
+    credential_source: str | None,
+) -> None:
+    """``receive_into`` of the S3 and HTTP backends: the bytes ``[start, end)`` of ``key``
+    through our own receiver (:class:`.wire.DirectPool`), or through aiohttp's pieces
+    (:meth:`Storage._receive_into_impl`'s default) when ``ASYNCCACHE_RECEIVE=aiohttp``,
+    for an empty range, or when the receiver leaves the response to aiohttp (a redirect,
+    a body without a length: nothing reached ``sink`` then)."""
+    pool = sessions.direct()
+    url = storage.object_url(key)
+    check_range(start, end, url)
+    if pool is not None and end != start:
+        href, headers = await request(key, range_header(start, end) or "")
+        if await pool.get(
+            href, headers, start, end, sink, url=url, credential_source=credential_source
+        ):
+            return
+    await Storage._receive_into_impl(storage, key, start, end, sink)
 
 
 def range_header(start: int, end: int | None) -> str | None:
