@@ -12,8 +12,9 @@ every chunk (which cost a cold epoch of 128 MiB, shuffled, about a quarter more 
 
 The S3 and HTTP backends' own receive path (``ASYNCCACHE_RECEIVE=direct``, the default;
 :mod:`asynccache.storage.wire`) reads chunk parts into one reused buffer and allocates no
-pieces, so this matters there only for what still comes through aiohttp (index files, the
-first batch's range reads, other backends, ``ASYNCCACHE_RECEIVE=aiohttp``).
+pieces, as are the first batch's range reads (:mod:`.ranges`), so this matters there only
+for what still comes through aiohttp (index files, other backends,
+``ASYNCCACHE_RECEIVE=aiohttp``).
 
 Linux with glibc only; elsewhere :func:`trim` does nothing.
 """

@@ -4,6 +4,10 @@ The first batch of an epoch need not wait for whole chunks: the reader fetches t
 items it needs by HTTP Range while the chunks keep downloading (see ``docs/cache.md``,
 *Range reads for the first batch*). What arrives here is never written to the cache and
 never published; it is verified against the chunk once the chunk lands.
+
+The bytes come through :meth:`.Storage.receive_into`, as a chunk's parts do: the S3 and
+HTTP backends' own receiver copies each read straight into the range's buffer (aiohttp
+only where the receiver leaves a response to it, or with ``ASYNCCACHE_RECEIVE=aiohttp``).
 """
 
 from __future__ import annotations
@@ -61,26 +65,19 @@ async def read_range(
         StorageError: non-transient failures pass through unretried.
     """
     buf = aligned_buffer(end - start)
-    pos = start
+    sink = _RangeSink(buf, start, end, stats)
     failures = 0
     while True:
         try:
             async with slot():
                 stats.range_gets += 1
-                sent, first, after_first = time.monotonic(), 0.0, 0
+                sent, sink.first_at, sink.after_first = time.monotonic(), 0.0, 0
                 async with asyncio.timeout(timeout_s):
-                    async for piece in storage.iter_range(key, pos, end):
-                        n = min(len(piece), end - pos)
-                        buf[pos - start : pos - start + n] = np.frombuffer(piece, np.uint8, n)
-                        pos += n
-                        stats.range_bytes += n
-                        if not first:
-                            first, after_first = time.monotonic(), pos
-                        if pos >= end:
-                            break
+                    await storage.receive_into(key, sink.pos, end, sink)
+                pos, first = sink.pos, sink.first_at
                 if link is not None and first and pos >= end and not failures:
-                    link.observe(first - sent, pos - after_first, time.monotonic() - first)
-            if pos < end:
+                    link.observe(first - sent, pos - sink.after_first, time.monotonic() - first)
+            if sink.pos < end:
                 raise TransientError(
                     f"short body from {storage.object_url(key)} bytes {start}-{end}",
                     url=storage.object_url(key),
@@ -96,3 +93,32 @@ async def read_range(
             await asyncio.sleep(
                 next_delay(storage, key, (start, end), failures, exc, policy, stats)
             )
+
+
+class _RangeSink:
+    """Copies what a request receives into ``buf`` (bytes ``[start, end)`` of the object)
+    at the cursor ``pos``, which survives failed attempts (a retry resumes there); notes
+    when the attempt's first bytes landed, for the link estimate."""
+
+    __slots__ = ("after_first", "end", "first_at", "mv", "pos", "start", "stats")
+
+    def __init__(self, buf: np.ndarray, start: int, end: int, stats: DownloadStats) -> None:
+        self.mv = buf.data  # 1-D, contiguous uint8: format "B"
+        self.start, self.end, self.pos, self.stats = start, end, start, stats
+        self.first_at = 0.0
+        self.after_first = 0
+
+    def write(self, data: bytes | memoryview, /) -> bool:
+        pos = self.pos
+        n = min(len(data), self.end - pos)
+        if n > 0:
+            at = pos - self.start
+            self.mv[at : at + n] = data[:n] if n < len(data) else data
+            self.pos = pos = pos + n
+            self.stats.range_bytes += n
+            if not self.first_at:
+                self.first_at, self.after_first = time.monotonic(), pos
+        return pos < self.end
+
+    def closing(self) -> None:
+        pass
