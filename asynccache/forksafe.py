@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import weakref
 from typing import Protocol
@@ -47,16 +48,20 @@ class ForkResettable(Protocol):
 
 class _Registry:
     """Descriptors and objects to reset in a forked child. Invariant: ``mu`` is held only
-    for set operations (never across I/O), and across ``fork`` itself, so the child never
-    sees a half-updated set."""
+    for set operations (never across I/O: an ``open`` that waits for the file system
+    blocks no other thread), and across ``fork`` itself, so the child never sees a
+    half-updated set. ``forks`` counts the forks, so an open that a fork overlapped is
+    known (see :func:`open_fd`)."""
 
     def __init__(self) -> None:
         self.mu = threading.Lock()
         self.fds: set[int] = set()
         self.objects: weakref.WeakSet[ForkResettable] = weakref.WeakSet()
+        self.forks = 0
 
     def before_fork(self) -> None:
         self.mu.acquire()
+        self.forks += 1
 
     def after_fork_in_parent(self) -> None:
         self.mu.release()
@@ -82,15 +87,53 @@ def track_fd(fd: int) -> int:
 
 
 def open_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
-    """``os.open`` and :func:`track_fd` in one step, with no fork in between.
+    """``os.open`` and :func:`track_fd`, so that no child keeps the descriptor.
 
-    The registry mutex is held across the open, and a fork waits for it, so no child can
-    inherit the descriptor untracked. Raises what ``os.open`` raises.
+    The open runs without the registry mutex (creating a file may wait for a journal
+    commit; other threads opening or closing tracked descriptors meanwhile do not wait
+    for it), and the descriptor is tracked right after. A fork between the two leaves the
+    child a copy it does not know of; so when a fork overlapped the open, the descriptor
+    is replaced, before anything locks it, by a fresh open of the same file through
+    ``/proc/self/fd`` (a new open file description, shared with no child: a flock taken
+    on it later is this process's alone). The child's stray copy stays unlocked. Where
+    ``/proc/self/fd`` is missing the mutex is held across the open, as a fork waits for
+    it. Raises what ``os.open`` raises.
     """
+    if not _can_reopen():
+        with _registry.mu:
+            fd = os.open(path, flags | os.O_CLOEXEC, mode)
+            _registry.fds.add(fd)
+        return fd
     with _registry.mu:
-        fd = os.open(path, flags | os.O_CLOEXEC, mode)
-        _registry.fds.add(fd)
-    return fd
+        forks = _registry.forks
+    fd = os.open(path, flags | os.O_CLOEXEC, mode)
+    while True:
+        with _registry.mu:
+            if _registry.forks == forks:
+                _registry.fds.add(fd)
+                return fd
+            forks = _registry.forks
+        # A fork overlapped: the same file, a description of our own (no create, no
+        # truncate: it exists and is what we opened).
+        again = _REOPEN_FLAGS & flags
+        try:
+            new = os.open(f"{_PROC_FD}{fd}", again | os.O_CLOEXEC)
+        finally:
+            os.close(fd)
+        fd = new
+
+
+_PROC_FD = "/proc/self/fd/"
+# Flags kept when reopening through /proc/self/fd: the access mode and the file status
+# flags, never O_CREAT, O_EXCL or O_TRUNC.
+_REOPEN_FLAGS = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+_reopen: list[bool] = []
+
+
+def _can_reopen() -> bool:
+    if not _reopen:
+        _reopen.append(sys.platform.startswith("linux") and os.path.isdir(_PROC_FD))
+    return _reopen[0]
 
 
 def dup_fd(fd: int) -> int:

@@ -184,6 +184,9 @@ class TempFile:
         final: the published name.
         size: bytes to preallocate.
         durable: fsync the file and its directory around the rename.
+        allocate: preallocate now; False leaves the file empty until :meth:`allocate`
+            (a reservation creates it before taking the eviction lock, and preallocates
+            it after letting the lock go).
         ensure_dir: called once when the directory is missing (deleted underneath),
             to rebuild it before trying again.
 
@@ -199,6 +202,7 @@ class TempFile:
         *,
         durable: bool = True,
         ensure_dir: Callable[[], None] | None = None,
+        allocate: bool = True,
     ) -> None:
         self.final = final
         self.size = size
@@ -234,12 +238,27 @@ class TempFile:
             raise CacheError(f"cannot create a temporary file in {directory}")
         self.fd = fd
         forksafe.register(self)
+        if allocate:
+            try:
+                self.allocate()
+            except BaseException:
+                self.discard()
+                raise
+
+    def allocate(self) -> None:
+        """Preallocate the file's size (a full disk is found here, early). On failure the
+        file stays, empty or part-allocated: the caller removes it.
+
+        Raises:
+            DiskFullError: the disk cannot hold ``size`` more bytes (names the directory).
+            CacheError: another failure.
+        """
+        assert self.fd is not None
         try:
-            if size > 0:
-                os.posix_fallocate(fd, 0, size)
+            if self.size > 0:
+                os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
-            self.discard()
-            raise cache_error(exc, directory) from exc
+            raise cache_error(exc, self.final.parent) from exc
 
     def pwrite(self, data: bytes | memoryview, offset: int) -> None:
         """Write ``data`` at ``offset`` (parts of one chunk are written in place, any order).

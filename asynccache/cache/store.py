@@ -283,10 +283,17 @@ class ChunkStore:
 
     # -- eviction ------------------------------------------------------------------------
     async def reserve(self, name: str, size: int, *, ahead: bool = False) -> TempFile:
-        """Make room for ``size`` bytes, then create the temporary file that will hold them.
+        """Make room for ``size`` bytes; the preallocated temporary file that will hold them.
 
-        Both happen under the cache-wide eviction lock, so a concurrent reservation in
-        another process sees this one's bytes (in the ledger) and evicts for both.
+        The file is created first (empty, locked by this process). Then, under the
+        cache-wide eviction lock, only the decision: whether the bytes fit, which chunks
+        to evict (removed there), and the ledger's record of the reservation (its bytes,
+        and the file as pending, so that a scan in another process counts it at its size
+        before it has it). The file is preallocated after the lock is let go: on ext4
+        creating and preallocating a file each wait for a journal commit in flight, and
+        other reservations no longer queue behind that. If the preallocation finds the
+        disk full, the lock is taken again to evict for the space really free and try
+        once more; failing that the file and its record are removed.
         ``ahead``: a prefetch nobody waits for yet; under a plan it may be deferred.
 
         Raises:
@@ -294,22 +301,106 @@ class ChunkStore:
             DiskFullError: the filesystem cannot take ``size`` more bytes even after
                 evicting every unpinned chunk (names the directory).
         """
-        self._demands += 1  # files being made ahead let it go first (reserve_ahead)
-        queued = True
+        policy = self.policy
+        if (
+            ahead
+            and policy is not None
+            and not policy.fits_whole(self.max_cache_bytes)
+            and await in_thread(self._deferred_unlocked, name, size)
+        ):
+            raise Deferred(name)  # no file made for nothing (the lock decides below)
+        tmp = await self._new_temp(name, size)
         try:
-            async with self._evict_mutex():
-                self._demands -= 1
-                queued = False
-                fd = await self._lock_evict()
-                try:
-                    return await in_thread(
-                        self._reserve_locked, fd, name, size, ahead, undo=TempFile.discard
-                    )
-                finally:
-                    forksafe.close_fd(fd)
-        finally:
-            if queued:
-                self._demands -= 1
+            self._demands += 1  # files being made ahead let it go first (reserve_ahead)
+            queued = True
+            try:
+                async with self._evict_mutex():
+                    self._demands -= 1
+                    queued = False
+                    fd = await self._lock_evict()
+                    try:
+                        await in_thread(self._reserve_locked, fd, name, tmp, ahead)
+                    finally:
+                        forksafe.close_fd(fd)
+            finally:
+                if queued:
+                    self._demands -= 1
+            await self._allocate(tmp)
+        except BaseException:
+            # Removed; a record of it is settled by the next holder of the lock.
+            tmp.discard()
+            raise
+        return tmp
+
+    def _create(self, name: str, size: int) -> TempFile:
+        """The temporary file of ``name``, created and locked, not preallocated."""
+        return TempFile(
+            self.path(name),
+            size,
+            durable=self.durable,
+            ensure_dir=self._ensure_layout,
+            allocate=False,
+        )
+
+    def _full(self, size: int) -> DiskFullError:
+        return DiskFullError(
+            f"the disk holding the cache dir {self.root} is full: {size} more bytes "
+            "do not fit even after evicting every unpinned chunk"
+        )
+
+    async def _new_temp(self, name: str, size: int) -> TempFile:
+        """:meth:`_create` outside the eviction lock; when not even an empty file fits
+        (no inode, no directory block left), evict for the space really free and try once
+        more."""
+        try:
+            return await in_thread(self._create, name, size, undo=TempFile.discard)
+        except DiskFullError:
+            pass
+        await self._locked(self._free_locked, size)
+        try:
+            return await in_thread(self._create, name, size, undo=TempFile.discard)
+        except DiskFullError as exc:
+            raise self._full(size) from exc
+
+    async def _allocate(self, tmp: TempFile) -> None:
+        """Preallocate ``tmp`` (admitted already) outside the eviction lock; on a full
+        disk (fuller than statvfs said: another writer, reserved blocks), evict under the
+        lock so it fits in what is really free and try once more there."""
+        try:
+            await in_thread(tmp.allocate)
+            return
+        except DiskFullError:
+            pass
+        await self._locked(self._allocate_locked, tmp)
+
+    async def _locked(self, fn: Any, *args: Any) -> Any:
+        """``fn(fd, *args)`` on a helper thread, holding the eviction lock ``fd``."""
+        async with self._evict_mutex():
+            fd = await self._lock_evict()
+            try:
+                return await in_thread(fn, fd, *args)
+            finally:
+                forksafe.close_fd(fd)
+
+    def _free_locked(self, fd: int, size: int) -> None:
+        settled = usage.settle(fd)
+        room = usage.fs_free(self.cache_dir) - settled.unallocated
+        used, _ = self._evict_locked(size, room, pending=settled.pending)
+        usage.write_ledger(fd, used, 0)
+
+    def _allocate_locked(self, fd: int, tmp: TempFile) -> None:
+        # Its record is pending: counted in the scan at its size, and in what is not
+        # allocated yet, so evicting frees what it still needs.
+        settled = usage.settle(fd)
+        room = usage.fs_free(self.cache_dir) - settled.unallocated
+        used, _ = self._evict_locked(0, room, pending=settled.pending)
+        usage.write_ledger(fd, used, 0)
+        try:
+            tmp.allocate()
+        except DiskFullError as exc:
+            tmp.discard()
+            usage.settle(fd)  # its record and bytes off the ledger now
+            raise self._full(tmp.size) from exc
 
     # -- temporary files made ahead -------------------------------------------------------
     async def reserve_ahead(self, name: str, size: int) -> bool:
@@ -329,32 +420,52 @@ class ChunkStore:
             return True
         if self._closed:
             return False
+        policy = self.policy
+        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
+            # The plan's prefetch room decides what is fetched ahead: a file made for a
+            # chunk past the window would count there as fetched and hold back the window.
+            return False
+        ledger = self._peek_ledger()
+        if (
+            ledger is not None
+            and ledger.trusted(time.time())
+            and ledger.used + size > self.max_cache_bytes
+        ):
+            return False  # no room as the cache stands: no file made for nothing
+        tmp: TempFile | None = None
         try:
+            tmp = await in_thread(self._create, name, size, undo=TempFile.discard)
             mutex = self._evict_mutex()
-            tmp: TempFile | None = None
-            while tmp is None:
+            admitted = False
+            while not admitted:
                 async with mutex:
                     if not self._demands:
                         fd = await self._lock_evict()
                         try:
-                            tmp = await in_thread(
-                                self._reserve_spare_locked, fd, name, size, undo=TempFile.discard
-                            )
+                            await in_thread(self._reserve_spare_locked, fd, name, tmp)
                         finally:
                             forksafe.close_fd(fd)
-                if tmp is None:
+                        admitted = True
+                if not admitted:
                     # A download waits for its own reservation: it goes first (the mutex
                     # wakes its waiters in order, and this one queues again behind them).
                     await asyncio.sleep(_YIELD_S)
+            await in_thread(tmp.allocate)
         except (Deferred, CacheError) as exc:
+            if tmp is not None:
+                tmp.discard()  # a record of it is settled by the next holder of the lock
             log.debug("no temporary file made ahead for %s: %s", name, exc)
             return False
+        except BaseException:
+            if tmp is not None:
+                tmp.discard()
+            raise
         # Its download lock file too, if new: creating a file waits for a journal commit
         # in flight just as the temporary file did; opening one that exists does not.
         try:
             await in_thread(self._make_lock_file, name)
         except BaseException:
-            tmp.discard()  # cancelled: removed; its bytes stay on the ledger (errs high)
+            tmp.discard()  # cancelled: removed; the next settle takes its bytes off
             raise
         with self._mu:
             keep = not self._closed and name not in self._ready
@@ -454,25 +565,18 @@ class ChunkStore:
             self._ensure_layout()
             return usage.fs_room(self.cache_dir)
 
-    def _reserve_locked(self, fd: int, name: str, size: int, ahead: bool = False) -> TempFile:
-        ledger = usage.read_ledger(fd)
+    def _reserve_locked(self, fd: int, name: str, tmp: TempFile, ahead: bool = False) -> None:
+        """Admit ``tmp`` (created, empty): evict what must go, record its bytes and its
+        entry. The caller holds the eviction lock ``fd``; nothing here waits for the
+        journal but the evictions' unlinks."""
+        size = tmp.size
+        settled = usage.settle(fd)
+        ledger = settled.ledger
         now = time.time()
-        policy = self.policy
-        if (
-            ahead
-            and policy is not None
-            and not policy.fits_whole(self.max_cache_bytes)
-            # The whole cache, this chunk included, within the prefetch room: so is what
-            # this dataset has fetched ahead (no need to look).
-            and not (
-                ledger is not None
-                and ledger.trusted(now)
-                and ledger.used + size <= self.max_cache_bytes - policy.min_bytes
-            )
-            and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
-        ):
+        if ahead and self._deferred(name, size, ledger):
             raise Deferred(name)
-        room = self._room()
+        # What the filesystem can take, less what is admitted and not allocated yet.
+        room = self._room() - settled.unallocated
         if (
             ledger is not None
             and ledger.trusted(now)
@@ -481,58 +585,69 @@ class ChunkStore:
         ):
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
         else:
-            used, _ = self._evict_locked(size, room, ahead=ahead)
+            used, _ = self._evict_locked(size, room, ahead=ahead, pending=settled.pending)
             count, at = 0, now
-        # Recorded before the file exists: a crash in between leaves an over-estimate.
-        usage.write_ledger(fd, used + size, count, at)
-        try:
-            try:
-                return self.create_temp(name, size)
-            except DiskFullError:
-                pass
-            # The disk is fuller than statvfs said (another writer, reserved blocks):
-            # evict so the chunk fits in what is really free now, and try once more.
-            used, _ = self._evict_locked(size, usage.fs_free(self.cache_dir))
-            usage.write_ledger(fd, used + size, 0)
-            try:
-                return self.create_temp(name, size)
-            except DiskFullError as exc:
-                raise DiskFullError(
-                    f"the disk holding the cache dir {self.root} is full: {size} more bytes "
-                    "do not fit even after evicting every unpinned chunk"
-                ) from exc
-        except BaseException:
-            usage.write_ledger(fd, used, count, at)
-            raise
+        self._admit_locked(fd, tmp, settled.pending, used + size, count, at)
 
-    def _reserve_spare_locked(self, fd: int, name: str, size: int) -> TempFile:
+    def _deferred(self, name: str, size: int, ledger: usage.Ledger | None) -> bool:
+        """A prefetch of ``name`` waits: under a plan whose dataset does not fit the
+        budget, the node's prefetch room cannot take it now."""
+        policy = self.policy
+        return (
+            policy is not None
+            and not policy.fits_whole(self.max_cache_bytes)
+            # The whole cache, this chunk included, within the prefetch room: so is what
+            # this dataset has fetched ahead (no need to look).
+            and not (
+                ledger is not None
+                and ledger.trusted(time.time())
+                and ledger.used + size <= self.max_cache_bytes - policy.min_bytes
+            )
+            and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
+        )
+
+    def _deferred_unlocked(self, name: str, size: int) -> bool:
+        return self._deferred(name, size, self._peek_ledger())
+
+    def _peek_ledger(self) -> usage.Ledger | None:
+        """The ledger as it stands, read without the lock (a hint: the lock decides)."""
+        try:
+            fd = open_lock_file(str(self.cache_dir / EVICT_LOCK), self._ensure_layout)
+        except CacheError:
+            return None
+        try:
+            return usage.read_ledger(fd)
+        finally:
+            forksafe.close_fd(fd)
+
+    def _admit_locked(
+        self, fd: int, tmp: TempFile, pending: list[usage.Pending], used: int, count: int, at: float
+    ) -> None:
+        assert tmp.fd is not None
+        entry = usage.pending_of(str(tmp.path), tmp.fd, tmp.size)
+        # The bytes and the entry in one write: never an entry whose bytes were not
+        # counted (settling would take them off).
+        usage.write_ledger(fd, used, count, at, [*pending, entry])
+
+    def _reserve_spare_locked(self, fd: int, name: str, tmp: TempFile) -> None:
         """:meth:`_reserve_locked` without evicting: :class:`.plan.Deferred` when the
         bytes do not fit as the cache stands."""
-        policy = self.policy
-        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
-            # The plan's prefetch room decides what is fetched ahead: a file made for a
-            # chunk past the window would count there as fetched and hold back the window.
-            raise Deferred(name)
-        ledger = usage.read_ledger(fd)
+        size = tmp.size
+        settled = usage.settle(fd)
+        ledger = settled.ledger
         now = time.time()
         limit = self.max_cache_bytes
-        room = self._room()
+        room = self._room() - settled.unallocated
         if ledger is not None and ledger.trusted(now) and ledger.used + size <= limit:
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
         else:
-            used, _ = usage.scan(self.cache_dir, self.root)
+            used, _ = usage.scan(self.cache_dir, self.root, usage.by_inode(settled.pending))
             count, at = 0, now
         if used + size > limit or size > room:
             if count == 0:
                 usage.write_ledger(fd, used, count, at)  # a fresh scan: keep it
             raise Deferred(name)
-        # Recorded before the file exists: a crash in between leaves an over-estimate.
-        usage.write_ledger(fd, used + size, count, at)
-        try:
-            return self.create_temp(name, size)
-        except BaseException:
-            usage.write_ledger(fd, used, count, at)
-            raise
+        self._admit_locked(fd, tmp, settled.pending, used + size, count, at)
 
     async def make_room(self, incoming: int) -> int:
         """Evict least-recently-used unpinned chunks so ``incoming`` more bytes fit.
@@ -547,20 +662,30 @@ class ChunkStore:
                 forksafe.close_fd(fd)
 
     def _make_room_locked(self, fd: int, incoming: int) -> int:
-        used, removed = self._evict_locked(incoming, self._room())
+        settled = usage.settle(fd)
+        used, removed = self._evict_locked(
+            incoming, self._room() - settled.unallocated, pending=settled.pending
+        )
         usage.write_ledger(fd, used, 0)
         return removed
 
-    def _evict_locked(self, incoming: int, room: int, ahead: bool = False) -> tuple[int, int]:
+    def _evict_locked(
+        self,
+        incoming: int,
+        room: int,
+        ahead: bool = False,
+        pending: list[usage.Pending] | None = None,
+    ) -> tuple[int, int]:
         """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed).
 
         The budget is ``max_cache_bytes``, or less when the filesystem can take only
-        ``room`` more bytes. The caller holds the eviction lock. ``ahead`` (a prefetch,
+        ``room`` more bytes. The caller holds the eviction lock and has settled the
+        pending reservations (``pending``: counted at their sizes). ``ahead`` (a prefetch,
         under a plan): only chunks no reader needs again this epoch may make room for it;
         when they are not enough, :class:`.plan.Deferred` (what was evicted stays evicted:
         nobody needed it this epoch).
         """
-        used, entries = usage.scan(self.cache_dir, self.root)
+        used, entries = usage.scan(self.cache_dir, self.root, usage.by_inode(pending or []))
         budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
@@ -656,12 +781,11 @@ class ChunkStore:
 
 
 def _release_locked(fd: int, tmps: list[TempFile]) -> None:
-    """Remove ``tmps`` and take the bytes of those this call removed off the ledger in
-    ``fd`` (held exclusively). A file already gone (deleted underneath) is left counted:
-    a scan may have seen it, or not; the ledger stays an over-estimate."""
-    removed = sum(tmp.size for tmp in tmps if tmp.discard())
-    if removed:
-        usage.subtract(fd, removed)
+    """Remove ``tmps`` and take their bytes off the ledger in ``fd`` (held exclusively):
+    settling drops the records whose files are gone, with their bytes."""
+    for tmp in tmps:
+        tmp.discard()
+    usage.settle(fd)
 
 
 def _linked(fd: int) -> bool:

@@ -10,34 +10,61 @@
   estimate, never a source of truth: failures and deletions only make it too high (a
   reservation is recorded before its file is created), and a too-high estimate only
   triggers an earlier rescan. A crash therefore leaves nothing stale that matters.
+* The *pending reservations* follow the ledger's line in the same file: one entry per
+  temporary file admitted under the lock and perhaps not preallocated yet (its path and
+  size). A reservation creates its file (empty, locked by its writer) before it takes the
+  lock, records the entry and the bytes under it, and preallocates after letting it go, so
+  the slow file-system steps run outside the lock. Until the entry is settled a scan
+  counts that file at the entry's size, not at what it holds now, and the room the
+  filesystem has is taken as less by what is admitted and not allocated yet. Every holder
+  of the lock settles the entries first (:func:`settle`): one whose file is gone is
+  dropped (its bytes too, unless its chunk was published); one whose writer died (its
+  file can be locked exclusively) is swept: the file removed, its bytes taken off.
 * :func:`fs_room` is what the filesystem can still take, less a safety margin.
 
-Layer: stdlib and :mod:`.layout`, :mod:`.eviction`.
+Layer: stdlib and :mod:`.layout`, :mod:`.eviction`, :mod:`.locks`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
+from collections.abc import Mapping
 
+from .. import forksafe
 from .eviction import Entry
-from .layout import is_chunk_name, is_chunk_temp_name, is_dataset_dir, temp_final_name
+from .layout import (
+    is_chunk_name,
+    is_chunk_temp_name,
+    is_dataset_dir,
+    is_temp_name,
+    temp_final_name,
+)
+from .locks import try_lock
 
 __all__ = [
     "MARGIN_MAX_BYTES",
     "RESCAN_AFTER_S",
     "RESCAN_EVERY",
     "Ledger",
+    "Pending",
+    "Settled",
+    "by_inode",
     "fs_free",
     "fs_room",
     "margin",
+    "pending_of",
     "present",
     "read_ledger",
+    "read_pending",
     "scan",
+    "settle",
     "subtract",
     "write_ledger",
+    "write_pending",
 ]
 
 RESCAN_EVERY = 64  # reservations trusted to the ledger between two full scans
@@ -45,17 +72,23 @@ RESCAN_AFTER_S = 60.0  # and seconds
 MARGIN_MAX_BYTES = 64 << 20
 _LEDGER_BYTES = 96
 _LEDGER_TAG = b"asynccache-usage-v1"
+_PENDING_TAG = b"P"
+_PENDING_READ = 1 << 16  # the entries' region read at once (a few hundred entries)
 
 
 def scan(
-    cache_dir: str | os.PathLike[str], own_root: str | os.PathLike[str] | None = None
+    cache_dir: str | os.PathLike[str],
+    own_root: str | os.PathLike[str] | None = None,
+    pending: Mapping[tuple[int, int], int] | None = None,
 ) -> tuple[int, list[Entry]]:
     """Bytes the cache holds under ``cache_dir`` and its published chunks, with mtimes.
 
     Looks only in ``own_root`` and in the direct subdirectories of ``cache_dir`` that
     hold the dataset marker; in them only at chunk names (counted and returned as
     entries) and at our temporary names of chunks (counted by their size: they are
-    preallocated to the chunk's size). Symlinks are never followed.
+    preallocated to the chunk's size), except those in ``pending`` ((device, inode) ->
+    size: admitted, perhaps not preallocated yet), counted at that size. Symlinks are never
+    followed.
 
     Returns:
         ``(used_bytes, entries)``.
@@ -96,7 +129,8 @@ def scan(
             else:
                 # Preallocated to the chunk's size: counted as the chunk will be once
                 # published, so a full budget holds exactly its chunks' bytes.
-                used += st.st_size
+                admitted = pending.get((st.st_dev, st.st_ino), 0) if pending else 0
+                used += max(st.st_size, admitted)
     return used, entries
 
 
@@ -170,17 +204,27 @@ def read_ledger(fd: int) -> Ledger | None:
     return ledger if ledger.used >= 0 and ledger.reservations >= 0 else None
 
 
-def write_ledger(fd: int, used: int, reservations: int, scanned_at: float | None = None) -> None:
-    """Record the ledger in the lock file ``fd`` (the caller holds its exclusive flock).
+def write_ledger(
+    fd: int,
+    used: int,
+    reservations: int,
+    scanned_at: float | None = None,
+    pending: list[Pending] | None = None,
+) -> None:
+    """Record the ledger in the lock file ``fd`` (the caller holds its exclusive flock),
+    and the pending reservations when given, in the same write.
 
     Fixed width, written in place: a concurrent unlocked reader sees the old or the new
     record, or at worst an unreadable one, which it treats as "unknown".
     """
     at = time.time() if scanned_at is None else scanned_at
     line = b"%s %d %d %.3f" % (_LEDGER_TAG, max(used, 0), reservations, at)
+    data = line.ljust(_LEDGER_BYTES - 1) + b"\n"
     # A read-only or full disk: the next reservation scans instead.
     with contextlib.suppress(OSError):
-        os.pwrite(fd, line.ljust(_LEDGER_BYTES - 1) + b"\n", 0)
+        if pending is not None:
+            data += _pending_bytes(fd, pending)
+        os.pwrite(fd, data, 0)
 
 
 def subtract(fd: int, nbytes: int) -> None:
@@ -191,3 +235,156 @@ def subtract(fd: int, nbytes: int) -> None:
     ledger = read_ledger(fd)
     if ledger is not None:
         write_ledger(fd, ledger.used - nbytes, ledger.reservations, ledger.scanned_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """One pending reservation: a temporary file admitted under the lock.
+
+    Attributes:
+        path: the file's absolute path.
+        size: the bytes admitted for it.
+        dev: its device, and
+        ino: its inode (a scan matches it by these, whatever spelling of the path it sees).
+    """
+
+    path: str
+    size: int
+    dev: int
+    ino: int
+
+
+def pending_of(path: str, fd: int, size: int) -> Pending:
+    """The entry of the temporary file ``path``, open as ``fd``, admitted for ``size``."""
+    st = os.fstat(fd)
+    return Pending(os.path.abspath(path), size, st.st_dev, st.st_ino)
+
+
+def by_inode(entries: list[Pending]) -> dict[tuple[int, int], int]:
+    """``entries`` as :func:`scan` takes them: (device, inode) -> size."""
+    return {(e.dev, e.ino): e.size for e in entries}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """The ledger and the pending reservations after :func:`settle`.
+
+    Attributes:
+        ledger: the ledger (None when absent or unreadable: the caller scans).
+        pending: the live entries.
+        unallocated: bytes admitted and not preallocated yet (what the filesystem's free
+            space does not show taken yet).
+    """
+
+    ledger: Ledger | None
+    pending: list[Pending]
+    unallocated: int
+
+
+def read_pending(fd: int) -> list[Pending]:
+    """The pending reservations recorded in the lock file ``fd``."""
+    try:
+        raw = os.pread(fd, _PENDING_READ, _LEDGER_BYTES)
+    except OSError:
+        return []
+    out: list[Pending] = []
+    for line in raw.splitlines():
+        fields = line.split(maxsplit=4)
+        if len(fields) != 5 or fields[0] != _PENDING_TAG:
+            continue  # padding, or a line cut by the read's bound
+        try:
+            path = json.loads(fields[4])
+            size, dev, ino = int(fields[1]), int(fields[2]), int(fields[3])
+        except ValueError:
+            continue
+        if isinstance(path, str) and size >= 0:
+            out.append(Pending(path, size, dev, ino))
+    return out
+
+
+def write_pending(fd: int, entries: list[Pending]) -> None:
+    """Record the pending reservations after the ledger's line in the lock file ``fd``
+    (the caller holds its exclusive flock)."""
+    with contextlib.suppress(OSError):
+        body = _pending_bytes(fd, entries)
+        if body:
+            os.pwrite(fd, body, _LEDGER_BYTES)
+
+
+def _pending_bytes(fd: int, entries: list[Pending]) -> bytes:
+    """The entries' region as written in place: padded over what was there (never
+    truncated: a truncate waits for the journal on ext4)."""
+    body = b"".join(
+        b"%s %d %d %d %s\n" % (_PENDING_TAG, e.size, e.dev, e.ino, json.dumps(e.path).encode())
+        for e in entries
+    )
+    old = os.fstat(fd).st_size - _LEDGER_BYTES
+    if len(body) < old:
+        body += b" " * (old - len(body) - 1) + b"\n"
+    return body
+
+
+def settle(fd: int) -> Settled:
+    """Settle the pending reservations in the lock file ``fd`` (held exclusively).
+
+    An entry whose file is gone is dropped: published (its chunk's name exists), its bytes
+    stay counted, as the chunk's; otherwise (removed unused, or deleted underneath) its
+    bytes are taken off the ledger. An entry whose file nobody holds locked belongs to a
+    dead writer: the file is removed (swept) and its bytes taken off. A live one stays. A
+    writer records its entry only after locking its file, so a live writer's file is
+    always locked.
+    """
+    ledger = read_ledger(fd)
+    entries = read_pending(fd)
+    if not entries:
+        return Settled(ledger, [], 0)
+    live: list[Pending] = []
+    dropped = 0
+    unallocated = 0
+    for e in entries:
+        state, held = _pending_state(e)
+        if state == "live":
+            live.append(e)
+            unallocated += max(e.size - held, 0)
+        elif state == "gone":
+            dropped += e.size
+        # "published": counted as its chunk from now on
+    if len(live) != len(entries):
+        if ledger is not None:
+            if dropped:
+                ledger = Ledger(
+                    max(ledger.used - dropped, 0), ledger.reservations, ledger.scanned_at
+                )
+            write_ledger(fd, ledger.used, ledger.reservations, ledger.scanned_at, live)
+        else:
+            write_pending(fd, live)
+    return Settled(ledger, live, unallocated)
+
+
+def _pending_state(e: Pending) -> tuple[str, int]:
+    """``("live", bytes its file holds)``, ``("published", 0)`` or ``("gone", 0)`` (a dead
+    writer's file is removed here)."""
+    try:
+        fd = forksafe.open_fd(e.path, os.O_RDONLY)
+    except FileNotFoundError:
+        head, tail = os.path.split(e.path)
+        if is_temp_name(tail) and os.path.exists(os.path.join(head, temp_final_name(tail))):
+            return "published", 0
+        return "gone", 0
+    except OSError:
+        return "live", 0  # cannot look: keep counting it (errs high)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (e.dev, e.ino):
+            return "gone", 0  # another file under its name: its own was removed
+        if try_lock(fd, exclusive=True):
+            # Its writer is dead: sweep it, unless it was renamed meanwhile.
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(e.path).st_ino == st.st_ino:
+                    os.unlink(e.path)
+            return "gone", 0
+        return "live", st.st_size
+    except OSError:
+        return "live", 0
+    finally:
+        forksafe.close_fd(fd)
