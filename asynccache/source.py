@@ -358,6 +358,13 @@ class DatasetSource:
         if held is not None and held[0] == os.getpid():
             self.downloader().hint(held[1])
 
+    @property
+    def mean_chunk_bytes(self) -> float:
+        """The mean size of this dataset's chunks (the prefetch window's depth in chunks
+        comes from it, see :meth:`Downloader.window_depth`)."""
+        sizes = self.index.bytes_per_chunk
+        return float(sizes.mean()) if len(sizes) else 0.0
+
     def chunk_url(self, ci: int) -> str:
         return f"{self.url.rstrip('/')}/{self.index.filename(ci)}"
 
@@ -446,7 +453,7 @@ class DatasetSource:
             dl.store.policy = follow.policy
         if old is not None:
             old.close()
-        want = max(self.settings.prefetch_chunks, 1) + (window if shuffle else 0) + HINT_PAST
+        want = dl.window_depth(self.mean_chunk_bytes) + (window if shuffle else 0) + HINT_PAST
         # Sent when the reader starts reading (see send_hint): range reads of its first
         # items must find connections free, not queue behind a prefetch window of parts.
         self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])
@@ -469,7 +476,7 @@ class DatasetSource:
                     conn.released_early[name] += count
                     conn.pinned[name] = 0
             want = (
-                max(self.settings.prefetch_chunks, 1)
+                dl.window_depth(self.mean_chunk_bytes)
                 + (follow.spec.window if follow.spec.shuffle else 0)
                 + HINT_PAST
             )

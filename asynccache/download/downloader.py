@@ -33,7 +33,7 @@ from ..errors import (
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate, shared_gate
-from .link import endpoint_of, link_for, part_bytes_for
+from .link import endpoint_of, link_for, part_bytes_for, window_bytes
 from .parts import Span, fetch_range, split_parts
 from .progress import ProgressClock
 from .ranges import read_range
@@ -90,7 +90,8 @@ class Downloader:
           (cancelled, timed out, interrupted) and it is not in the prefetch window.
         * All state changes happen on the I/O thread; other threads only submit work.
         * The prefetch window is the first ``settings.prefetch_chunks`` hinted chunks the
-          reader has not asked for yet; hinted downloads that leave the window with no
+          reader has not asked for yet, extended for small chunks up to the link's window
+          bytes (:meth:`window_depth`); hinted downloads that leave the window with no
           caller waiting on them are cancelled. Its chunks start in order, each once its
           parts fit in ``max_concurrency`` beside the parts still to land of the
           downloads in flight (or when none are left to land), so they land in the
@@ -157,6 +158,7 @@ class Downloader:
         self._hit_names: list[str] = []  # chunks note_hit saw, not yet consumed from the hint
         self._hold: asyncio.Future[None] | None = None  # see hold_prefetch
         self._reserving: dict[str, asyncio.Task[bool]] = {}  # files being made ahead
+        self._floor: tuple[int, int] | None = None  # (link observations, window bytes)
 
     def __repr__(self) -> str:
         return (
@@ -753,8 +755,51 @@ class Downloader:
                 self._hinted.discard(name)
         self._pump()
 
+    def window_depth(self, chunk_bytes: float) -> int:
+        """How many chunks of about ``chunk_bytes`` bytes the prefetch window holds: at
+        least ``PREFETCH_CHUNKS``, and for small chunks as many as hold the link's window
+        bytes (:func:`.link.window_bytes`), at most ``2 x MAX_CONCURRENCY``. A hint should
+        name at least this many chunks (see :meth:`hint`). Safe from any thread."""
+        least = max(self.settings.prefetch_chunks, 1)
+        floor = self._window_floor()
+        if chunk_bytes <= 0 or floor <= 0:
+            return least
+        most = 2 * self.settings.max_concurrency
+        return max(least, min(most, -(-int(floor) // int(chunk_bytes))))
+
+    def _window_floor(self) -> int:
+        """:func:`.link.window_bytes` now: recomputed only when the link estimate moved."""
+        seen = self._link.observed
+        if self._floor is None or self._floor[0] != seen:
+            budget = self.store.max_cache_bytes
+            self._floor = (seen, window_bytes(self.settings, self._link, budget))
+        return self._floor[1]
+
     def _window(self) -> list[ChunkSpec]:
-        return self._queue[: self.settings.prefetch_chunks]
+        """The hinted chunks to have downloading: the first ``PREFETCH_CHUNKS``, then more
+        while they hold fewer bytes than :meth:`_window_floor` (small chunks: a window of
+        four 8 MiB chunks was half a second of a 16 x 4 MB/s link, and any pause of the
+        reader emptied the link), at most ``2 x MAX_CONCURRENCY`` chunks. A chunk of
+        unknown size ends the extension."""
+        n = self.settings.prefetch_chunks
+        if n <= 0 or len(self._queue) <= n:
+            return self._queue[: max(n, 0)]
+        floor = self._window_floor()
+        if floor <= 0:
+            return self._queue[:n]
+        got = 0
+        for s in self._queue[:n]:
+            if not s.size:
+                return self._queue[:n]
+            got += s.size
+        most = min(2 * self.settings.max_concurrency, len(self._queue))
+        while n < most and got < floor:
+            size = self._queue[n].size
+            if not size:
+                break
+            got += size
+            n += 1
+        return self._queue[:n]
 
     def _unstarted(self) -> bool:
         """A chunk of the prefetch window is neither downloading nor cached."""
@@ -772,7 +817,11 @@ class Downloader:
 
     def _ahead(self, name: str, size: int) -> int:
         ahead = size + sum(self._sizes.get(n, size) for n in self._inflight if n != name)
-        for s in self._window():
+        # The first PREFETCH_CHUNKS only, not the window's extension for small chunks
+        # (_window): counted, 16 chunks of 8 MiB made one 8 MiB GET each, every chunk
+        # then took a whole part's time on one slow connection and the reader waited
+        # for each in turn; in 2 MiB parts each lands in a quarter of that.
+        for s in self._queue[: self.settings.prefetch_chunks]:
             if (
                 s.name != name
                 and s.name not in self._inflight

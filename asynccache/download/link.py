@@ -35,6 +35,7 @@ __all__ = [
     "forget",
     "link_for",
     "part_bytes_for",
+    "window_bytes",
 ]
 
 #: A part's body takes at least this many first-byte waits to arrive, so the wait costs
@@ -190,6 +191,28 @@ def part_bytes_for(settings: Settings, link: LinkEstimate, bytes_ahead: int) -> 
     return link.part_bytes(
         settings.part_bytes, bytes_ahead=bytes_ahead, concurrency=settings.max_concurrency
     )
+
+
+def window_bytes(settings: Settings, link: LinkEstimate, budget: int) -> int:
+    """The bytes the prefetch window holds at least: one part per connection, each of the
+    size the link calls for with a full window (``PART_BYTES``, or larger where ten
+    first-byte waits move more: see :func:`choose_part_bytes`), so never less than the
+    link's bandwidth-delay product. At most a quarter of the cache ``budget`` (the node's
+    epoch plan bounds prefetches further, see :mod:`asynccache.cache.plan`).
+
+    With 64 MiB chunks ``PREFETCH_CHUNKS`` (4) holds more already; with 8 MiB chunks it
+    held 32 MiB, half a second of a 16 x 4 MB/s link, and the window counts chunks up to
+    this instead (:meth:`.Downloader.window_depth`). 0 (chunks only) when the part size
+    is fixed (``ASYNCCACHE_PART_BYTES`` set without ``ADAPTIVE_PARTS``).
+    """
+    if not settings.adaptive_parts:
+        return 0
+    part = link.part_bytes(
+        settings.part_bytes,
+        bytes_ahead=settings.max_concurrency * PartBounds().hi * 2,
+        concurrency=settings.max_concurrency,
+    )
+    return max(0, min(settings.max_concurrency * part, budget // 4))
 
 
 class _Links:

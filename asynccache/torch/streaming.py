@@ -982,7 +982,8 @@ class StreamingDataset(IterableDataset[Any]):
         source follows the epoch plan, which knows that already)."""
         if not self.source.remote or self.source.planned:
             return
-        want = max(self.settings.prefetch_chunks, 1) + self.shuffle_window
+        depth = self.source.downloader().window_depth(self.source.mean_chunk_bytes)
+        want = depth + self.shuffle_window
         seen: dict[int, None] = dict.fromkeys(chunks.tolist())
         end = min(seg.end, a + _BLOCK)
         later = [(end, seg.end)] + [(s.start, s.end) for s in segments[segments.index(seg) + 1 :]]
