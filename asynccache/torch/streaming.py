@@ -826,24 +826,35 @@ class StreamingDataset(IterableDataset[Any]):
         """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
         worker would send (its items read by range on a cold cache, assembled from the
         mapped chunks on a warm one). Range-read items are compared with their chunks at
-        :meth:`_lead_done`."""
+        :meth:`_lead_done`. The chunks stay open, their forms learned, from the first
+        lead batch to the last (a shuffled epoch's two draw from one window), and are
+        released after it, before the workers are forked."""
         pool = self._batch_pool(batches.MAIN_ROW, here=True)
-        self.__dict__["_forms"] = collections.OrderedDict()
+        opened: dict[int, None] | None = self.__dict__.get("_lead_open")
+        if opened is None:  # the first lead batch of this epoch
+            opened = self.__dict__["_lead_open"] = {}
+            self.__dict__["_forms"] = collections.OrderedDict()
         self._lead_batches = self.__dict__.get("_lead_batches", 0) + 1
+        last = self._lead_batches >= self.__dict__.get("_lead_last", 0)
         # One intra-op thread, as in a DataLoader worker: collating 64 items on torch's
         # OpenMP pool took 3-20x longer than on one thread on a busy 2-core machine.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        built = False
         try:
-            return self._batch(keys, pool, batches.MAIN_ROW)
+            out = self._batch(keys, pool, batches.MAIN_ROW)
+            built = True
+            return out
         finally:
-            if self._lead_batches >= self.__dict__.get("_lead_last", 0):
+            opened.update(dict.fromkeys(self._chunks_of(keys).tolist()))
+            if last:
                 self._head_go()  # the lead batches are built: their reads are in
             torch.set_num_threads(threads)
-            # The batch is a copy: no chunk stays mapped or pinned here for the epoch.
-            self.__dict__.pop("_forms", None)
-            for ci in dict.fromkeys(self._chunks_of(keys).tolist()):
-                self._reader.release(ci)
+            if last or not built:
+                # The batches are copies: no chunk stays mapped or pinned here for the epoch.
+                self.__dict__.pop("_forms", None)
+                for ci in self.__dict__.pop("_lead_open", {}):
+                    self._reader.release(ci)
             self._report_stats()
 
     def _lead_done(self, no: int) -> None:
