@@ -36,6 +36,10 @@ EVICT_LOCK = ".evict.lock"
 _EVICT_LOCK_TIMEOUT_S = 30.0
 _TRIM_WAIT_S = 1.0
 _YIELD_S = 0.005  # a file made ahead waits this long for a download's reservation
+# How far a reservation's first try got (ChunkStore._try_now).
+_CREATED = "created"  # the file exists, not admitted (the eviction lock was busy)
+_ADMITTED = "admitted"  # admitted, not preallocated (the disk was full for it)
+_ALLOCATED = "allocated"  # done
 
 
 class ChunkStore:
@@ -301,36 +305,84 @@ class ChunkStore:
             DiskFullError: the filesystem cannot take ``size`` more bytes even after
                 evicting every unpinned chunk (names the directory).
         """
-        policy = self.policy
-        if (
-            ahead
-            and policy is not None
-            and not policy.fits_whole(self.max_cache_bytes)
-            and await in_thread(self._deferred_unlocked, name, size)
-        ):
-            raise Deferred(name)  # no file made for nothing (the lock decides below)
-        tmp = await self._new_temp(name, size)
+        tmp, state = await self._first_try(name, size, ahead=ahead, spare=False)
         try:
-            self._demands += 1  # files being made ahead let it go first (reserve_ahead)
-            queued = True
-            try:
-                async with self._evict_mutex():
-                    self._demands -= 1
-                    queued = False
-                    fd = await self._lock_evict()
-                    try:
-                        await in_thread(self._reserve_locked, fd, name, tmp, ahead)
-                    finally:
-                        forksafe.close_fd(fd)
-            finally:
-                if queued:
-                    self._demands -= 1
-            await self._allocate(tmp)
+            if state == _CREATED:  # the lock was busy: queue for it
+                self._demands += 1  # files being made ahead let it go first (reserve_ahead)
+                queued = True
+                try:
+                    async with self._evict_mutex():
+                        self._demands -= 1
+                        queued = False
+                        fd = await self._lock_evict()
+                        try:
+                            await in_thread(self._reserve_locked, fd, name, tmp, ahead)
+                        finally:
+                            forksafe.close_fd(fd)
+                finally:
+                    if queued:
+                        self._demands -= 1
+            if state != _ALLOCATED:
+                await self._allocate(tmp)
         except BaseException:
             # Removed; a record of it is settled by the next holder of the lock.
             tmp.discard()
             raise
         return tmp
+
+    async def _first_try(
+        self, name: str, size: int, *, ahead: bool, spare: bool
+    ) -> tuple[TempFile, str]:
+        """:meth:`_try_now` on a helper thread; when not even an empty file fits (no
+        inode, no directory block left), evict for the space really free and create it
+        once more (not admitted: the caller queues for the lock)."""
+        try:
+            return await in_thread(self._try_now, name, size, ahead, spare, undo=_discard_first)
+        except DiskFullError:
+            if spare:
+                raise  # a file made ahead never evicts
+        await self._locked(self._free_locked, size)
+        try:
+            return await in_thread(self._create, name, size, undo=TempFile.discard), _CREATED
+        except DiskFullError as exc:
+            raise self._full(size) from exc
+
+    def _try_now(self, name: str, size: int, ahead: bool, spare: bool) -> tuple[TempFile, str]:
+        """Create ``name``'s temporary file (outside the eviction lock); if the lock is
+        free at once, admit it holding the lock, then preallocate it after letting the
+        lock go: one helper thread for the whole reservation when nobody else holds the
+        lock. Returns the file and how far it got (:data:`_CREATED`, :data:`_ADMITTED`,
+        :data:`_ALLOCATED`: the disk was full for it, the caller retries)."""
+        policy = self.policy
+        if (
+            ahead
+            and policy is not None
+            and not policy.fits_whole(self.max_cache_bytes)
+            and self._deferred(name, size, self._peek_ledger())
+        ):
+            raise Deferred(name)  # no file made for nothing (the lock decides later)
+        tmp = self._create(name, size)
+        try:
+            if spare and self._demands:
+                return tmp, _CREATED  # a download waits for its reservation: it goes first
+            fd = open_lock_file(str(self.cache_dir / EVICT_LOCK), self._ensure_layout)
+            try:
+                if not try_lock(fd, exclusive=True):
+                    return tmp, _CREATED
+                if spare:
+                    self._reserve_spare_locked(fd, name, tmp)
+                else:
+                    self._reserve_locked(fd, name, tmp, ahead)
+            finally:
+                forksafe.close_fd(fd)  # the lock goes with it
+            try:
+                tmp.allocate()
+            except DiskFullError:
+                return tmp, _ADMITTED
+            return tmp, _ALLOCATED
+        except BaseException:
+            tmp.discard()
+            raise
 
     def _create(self, name: str, size: int) -> TempFile:
         """The temporary file of ``name``, created and locked, not preallocated."""
@@ -347,20 +399,6 @@ class ChunkStore:
             f"the disk holding the cache dir {self.root} is full: {size} more bytes "
             "do not fit even after evicting every unpinned chunk"
         )
-
-    async def _new_temp(self, name: str, size: int) -> TempFile:
-        """:meth:`_create` outside the eviction lock; when not even an empty file fits
-        (no inode, no directory block left), evict for the space really free and try once
-        more."""
-        try:
-            return await in_thread(self._create, name, size, undo=TempFile.discard)
-        except DiskFullError:
-            pass
-        await self._locked(self._free_locked, size)
-        try:
-            return await in_thread(self._create, name, size, undo=TempFile.discard)
-        except DiskFullError as exc:
-            raise self._full(size) from exc
 
     async def _allocate(self, tmp: TempFile) -> None:
         """Preallocate ``tmp`` (admitted already) outside the eviction lock; on a full
@@ -434,10 +472,9 @@ class ChunkStore:
             return False  # no room as the cache stands: no file made for nothing
         tmp: TempFile | None = None
         try:
-            tmp = await in_thread(self._create, name, size, undo=TempFile.discard)
+            tmp, state = await self._first_try(name, size, ahead=False, spare=True)
             mutex = self._evict_mutex()
-            admitted = False
-            while not admitted:
+            while state == _CREATED:
                 async with mutex:
                     if not self._demands:
                         fd = await self._lock_evict()
@@ -445,12 +482,13 @@ class ChunkStore:
                             await in_thread(self._reserve_spare_locked, fd, name, tmp)
                         finally:
                             forksafe.close_fd(fd)
-                        admitted = True
-                if not admitted:
+                        state = _ADMITTED
+                if state == _CREATED:
                     # A download waits for its own reservation: it goes first (the mutex
                     # wakes its waiters in order, and this one queues again behind them).
                     await asyncio.sleep(_YIELD_S)
-            await in_thread(tmp.allocate)
+            if state != _ALLOCATED:
+                await in_thread(tmp.allocate)
         except (Deferred, CacheError) as exc:
             if tmp is not None:
                 tmp.discard()  # a record of it is settled by the next holder of the lock
@@ -605,9 +643,6 @@ class ChunkStore:
             )
             and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
         )
-
-    def _deferred_unlocked(self, name: str, size: int) -> bool:
-        return self._deferred(name, size, self._peek_ledger())
 
     def _peek_ledger(self) -> usage.Ledger | None:
         """The ledger as it stands, read without the lock (a hint: the lock decides)."""
@@ -786,6 +821,10 @@ def _release_locked(fd: int, tmps: list[TempFile]) -> None:
     for tmp in tmps:
         tmp.discard()
     usage.settle(fd)
+
+
+def _discard_first(result: tuple[TempFile, str]) -> None:
+    result[0].discard()
 
 
 def _linked(fd: int) -> bool:

@@ -34,6 +34,7 @@ from asynccache import forksafe
 from asynccache.cache import ChunkStore, usage
 from asynccache.cache.layout import TempFile
 from asynccache.cache.locks import open_lock_file, try_lock
+from asynccache.cache.plan import Deferred
 from asynccache.errors import DiskFullError
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,6 +91,21 @@ class Interleavings(RuleBasedStateMachine):
         store = self.stores[which]
         self.n += 1
         self.created.append((store, store._create(f"chunk-{which}-{self.n}.bin", units * UNIT)))
+
+    @rule(which=st.integers(0, 1), units=st.integers(1, 3), spare=st.booleans())
+    def reserve_at_once(self, which: int, units: int, spare: bool) -> None:
+        # The lock is free: created, admitted and preallocated on one thread.
+        store = self.stores[which]
+        self.n += 1
+        name = f"chunk-{which}-{self.n}.bin"
+        try:
+            tmp, state = store._try_now(name, units * UNIT, False, spare)
+        except Deferred:
+            assert spare  # a file made ahead only into room the cache has
+            assert not list(store.root.glob(f".{name}.*"))
+            return
+        assert state == "allocated"
+        self.allocated.append((store, tmp))
 
     @precondition(lambda self: self.created)
     @rule(i=st.integers(0, 7))
