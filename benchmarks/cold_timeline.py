@@ -265,13 +265,27 @@ def install_reserve(rec: Recorder) -> None:
             )
 
         dlmod.Downloader._make_ahead = traced_make_ahead  # type: ignore[method-assign]
-    locked = ChunkStore._reserve_locked
 
-    def traced_locked(store: ChunkStore, fd: int, name: str, *a: Any) -> Any:
-        emit("rthread", name)
-        return locked(store, fd, name, *a)
+    def traced_decision(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # The work done holding the eviction lock: the decision, the ledger (and, before
+        # admit-then-create, the file's creation and preallocation).
+        @functools.wraps(fn)
+        def wrapper(store: ChunkStore, fd: int, name: str, *a: Any) -> Any:
+            if kind:
+                emit(kind, name)
+            emit("held_start", name)
+            try:
+                return fn(store, fd, name, *a)
+            finally:
+                emit("held_end", name)
 
-    ChunkStore._reserve_locked = traced_locked  # type: ignore[method-assign]
+        return wrapper
+
+    ChunkStore._reserve_locked = traced_decision("rthread", ChunkStore._reserve_locked)  # type: ignore[method-assign]
+    if hasattr(ChunkStore, "_reserve_spare_locked"):
+        ChunkStore._reserve_spare_locked = traced_decision(  # type: ignore[method-assign]
+            "", ChunkStore._reserve_spare_locked
+        )
     tempfile_init = TempFile.__init__
 
     def traced_init(tmp: TempFile, final: Path, *a: Any, **kw: Any) -> None:
@@ -556,6 +570,8 @@ def analyse(
     deferred = collections.Counter()
     blocked: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
     steps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)  # (chunk, call)
+    lock_wait: list[float] = []  # this process's queue passed -> the eviction flock held
+    lock_held: list[float] = []  # the decision (and what else is done holding it)
     for e in events:
         t, pid, kind, f = float(e[0]) - t0, int(e[1]), e[3], e[4:]
         who = name_of.get(pid, f"p{pid}")
@@ -596,6 +612,16 @@ def analyse(
             chunk[f[0]]["published"] = t
         elif kind in _STEPS:
             chunk[f[0]].setdefault(kind, t)
+        if kind in ("evmutex", "held_start"):
+            open_[(str(pid), kind + f[0])] = t
+        elif kind == "evlock":
+            s = open_.pop((str(pid), "evmutex" + f[0]), None)
+            if s is not None:
+                lock_wait.append(t - s)
+        elif kind == "held_end":
+            s = open_.pop((str(pid), "held_start" + f[0]), None)
+            if s is not None:
+                lock_held.append(t - s)
         elif kind == "took":
             steps[(f[1], f[0])].append(float(f[2]))
         elif kind == "recv":
@@ -734,6 +760,21 @@ def analyse(
         f"  downloads that found their temporary file made ahead: {len(made)} of "
         f"{sum(1 for n, c in chunk.items() if n.startswith('chunk-') and 'start' in c)}"
     )
+    say(
+        f"  reservations decided with the eviction flock free at once (no wait): "
+        f"{max(len(lock_held) - len(lock_wait), 0)} of {len(lock_held)}"
+    )
+    for what, xs in (
+        ("waited for (where a reservation queued for it)", lock_wait),
+        ("held for a reservation", lock_held),
+    ):
+        if xs:
+            xs = sorted(xs)
+            say(
+                f"  the eviction flock {what}: {len(xs)} times, median {xs[len(xs) // 2]:.3f} s, "
+                f"max {xs[-1]:.3f} s, total {sum(xs):.2f} s, over 0.05 s: "
+                f"{sum(1 for x in xs if x > 0.05)}"
+            )
     if first_go:
         first_go.sort()
         say(
