@@ -421,7 +421,7 @@ class ChunkStore:
                 forksafe.close_fd(fd)
 
     def _free_locked(self, fd: int, size: int) -> None:
-        settled = usage.settle(fd)
+        settled = usage.settle(fd, self.cache_dir)
         room = usage.fs_free(self.cache_dir) - settled.unallocated
         used, _ = self._evict_locked(size, room, pending=settled.pending)
         usage.write_ledger(fd, used, 0)
@@ -429,7 +429,7 @@ class ChunkStore:
     def _allocate_locked(self, fd: int, tmp: TempFile) -> None:
         # Its record is pending: counted in the scan at its size, and in what is not
         # allocated yet, so evicting frees what it still needs.
-        settled = usage.settle(fd)
+        settled = usage.settle(fd, self.cache_dir)
         room = usage.fs_free(self.cache_dir) - settled.unallocated
         used, _ = self._evict_locked(0, room, pending=settled.pending)
         usage.write_ledger(fd, used, 0)
@@ -437,7 +437,7 @@ class ChunkStore:
             tmp.allocate()
         except DiskFullError as exc:
             tmp.discard()
-            usage.settle(fd)  # its record and bytes off the ledger now
+            usage.settle(fd, self.cache_dir)  # its record and bytes off the ledger now
             raise self._full(tmp.size) from exc
 
     # -- temporary files made ahead -------------------------------------------------------
@@ -552,7 +552,7 @@ class ChunkStore:
             async with self._evict_mutex():
                 fd = await self._lock_evict()
                 try:
-                    await in_thread(_release_locked, fd, tmps)
+                    await in_thread(_release_locked, fd, tmps, self.cache_dir)
                 finally:
                     forksafe.close_fd(fd)
         finally:
@@ -575,7 +575,7 @@ class ChunkStore:
                         break
                     time.sleep(0.005)
                 else:
-                    _release_locked(fd, tmps)
+                    _release_locked(fd, tmps, self.cache_dir)
         finally:
             for tmp in tmps:
                 tmp.discard()
@@ -608,7 +608,7 @@ class ChunkStore:
         entry. The caller holds the eviction lock ``fd``; nothing here waits for the
         journal but the evictions' unlinks."""
         size = tmp.size
-        settled = usage.settle(fd)
+        settled = usage.settle(fd, self.cache_dir)
         ledger = settled.ledger
         now = time.time()
         if ahead and self._deferred(name, size, ledger):
@@ -659,7 +659,7 @@ class ChunkStore:
         self, fd: int, tmp: TempFile, pending: list[usage.Pending], used: int, count: int, at: float
     ) -> None:
         assert tmp.fd is not None
-        entry = usage.pending_of(str(tmp.path), tmp.fd, tmp.size)
+        entry = usage.pending_of(str(tmp.path), tmp.fd, tmp.size, self.cache_dir)
         # The bytes and the entry in one write: never an entry whose bytes were not
         # counted (settling would take them off).
         usage.write_ledger(fd, used, count, at, [*pending, entry])
@@ -668,7 +668,7 @@ class ChunkStore:
         """:meth:`_reserve_locked` without evicting: :class:`.plan.Deferred` when the
         bytes do not fit as the cache stands."""
         size = tmp.size
-        settled = usage.settle(fd)
+        settled = usage.settle(fd, self.cache_dir)
         ledger = settled.ledger
         now = time.time()
         limit = self.max_cache_bytes
@@ -697,7 +697,7 @@ class ChunkStore:
                 forksafe.close_fd(fd)
 
     def _make_room_locked(self, fd: int, incoming: int) -> int:
-        settled = usage.settle(fd)
+        settled = usage.settle(fd, self.cache_dir)
         used, removed = self._evict_locked(
             incoming, self._room() - settled.unallocated, pending=settled.pending
         )
@@ -815,12 +815,12 @@ class ChunkStore:
         self._ready = {}
 
 
-def _release_locked(fd: int, tmps: list[TempFile]) -> None:
+def _release_locked(fd: int, tmps: list[TempFile], cache_dir: Path) -> None:
     """Remove ``tmps`` and take their bytes off the ledger in ``fd`` (held exclusively):
     settling drops the records whose files are gone, with their bytes."""
     for tmp in tmps:
         tmp.discard()
-    usage.settle(fd)
+    usage.settle(fd, cache_dir)
 
 
 def _discard_first(result: tuple[TempFile, str]) -> None:

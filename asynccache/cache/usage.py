@@ -242,7 +242,9 @@ class Pending:
     """One pending reservation: a temporary file admitted under the lock.
 
     Attributes:
-        path: the file's absolute path.
+        path: the file's path relative to the cache directory (the lock file's), so that
+            processes that reach the cache by different paths (other mounts) agree; an
+            absolute path for a dataset directory outside it.
         size: the bytes admitted for it.
         dev: its device, and
         ino: its inode (a scan matches it by these, whatever spelling of the path it sees).
@@ -253,11 +255,19 @@ class Pending:
     dev: int
     ino: int
 
+    def resolve(self, base: str | os.PathLike[str]) -> str:
+        """The file's path, the cache directory being ``base``."""
+        return os.path.join(base, self.path)
 
-def pending_of(path: str, fd: int, size: int) -> Pending:
-    """The entry of the temporary file ``path``, open as ``fd``, admitted for ``size``."""
+
+def pending_of(path: str, fd: int, size: int, base: str | os.PathLike[str]) -> Pending:
+    """The entry of the temporary file ``path``, open as ``fd``, admitted for ``size``,
+    in the cache directory ``base``."""
     st = os.fstat(fd)
-    return Pending(os.path.abspath(path), size, st.st_dev, st.st_ino)
+    full, top = os.path.abspath(path), os.path.abspath(base)
+    rel = os.path.relpath(full, top)
+    kept = full if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+    return Pending(kept, size, st.st_dev, st.st_ino)
 
 
 def by_inode(entries: list[Pending]) -> dict[tuple[int, int], int]:
@@ -324,8 +334,9 @@ def _pending_bytes(fd: int, entries: list[Pending]) -> bytes:
     return body
 
 
-def settle(fd: int) -> Settled:
-    """Settle the pending reservations in the lock file ``fd`` (held exclusively).
+def settle(fd: int, base: str | os.PathLike[str]) -> Settled:
+    """Settle the pending reservations in the lock file ``fd`` (held exclusively) of the
+    cache directory ``base``.
 
     An entry whose file is gone is dropped: published (its chunk's name exists), its bytes
     stay counted, as the chunk's; otherwise (removed unused, or deleted underneath) its
@@ -342,7 +353,7 @@ def settle(fd: int) -> Settled:
     dropped = 0
     unallocated = 0
     for e in entries:
-        state, held = _pending_state(e)
+        state, held = _pending_state(e.resolve(base), e)
         if state == "live":
             live.append(e)
             unallocated += max(e.size - held, 0)
@@ -361,13 +372,13 @@ def settle(fd: int) -> Settled:
     return Settled(ledger, live, unallocated)
 
 
-def _pending_state(e: Pending) -> tuple[str, int]:
+def _pending_state(path: str, e: Pending) -> tuple[str, int]:
     """``("live", bytes its file holds)``, ``("published", 0)`` or ``("gone", 0)`` (a dead
     writer's file is removed here)."""
     try:
-        fd = forksafe.open_fd(e.path, os.O_RDONLY)
+        fd = forksafe.open_fd(path, os.O_RDONLY)
     except FileNotFoundError:
-        head, tail = os.path.split(e.path)
+        head, tail = os.path.split(path)
         if is_temp_name(tail) and os.path.exists(os.path.join(head, temp_final_name(tail))):
             return "published", 0
         return "gone", 0
@@ -380,8 +391,8 @@ def _pending_state(e: Pending) -> tuple[str, int]:
         if try_lock(fd, exclusive=True):
             # Its writer is dead: sweep it, unless it was renamed meanwhile.
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(e.path).st_ino == st.st_ino:
-                    os.unlink(e.path)
+                if os.stat(path).st_ino == st.st_ino:
+                    os.unlink(path)
             return "gone", 0
         return "live", st.st_size
     except OSError:

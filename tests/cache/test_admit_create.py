@@ -190,12 +190,13 @@ class Interleavings(RuleBasedStateMachine):
     @invariant()
     def ledger_is_exact(self) -> None:
         with _Locked(self.cache) as fd:
-            settled = usage.settle(fd)  # what the next holder of the lock sees
+            settled = usage.settle(fd, self.cache)  # what the next holder of the lock sees
             if settled.ledger is None:
                 return  # nothing admitted yet
             assert settled.ledger.used == self._truth()
             live = {(s, str(t.path)) for s, t in self.admitted + self.allocated}
-            assert {e.path for e in settled.pending} == {p for _, p in live}
+            assert {e.resolve(self.cache) for e in settled.pending} == {p for _, p in live}
+            assert not any(os.path.isabs(e.path) for e in settled.pending)  # other mounts
             assert settled.unallocated == sum(t.size for _, t in self.admitted)
 
 
@@ -253,7 +254,7 @@ def test_preallocation_runs_outside_the_eviction_lock(tmp_path, monkeypatch) -> 
         assert other and not side.is_alive()
         # Both counted, the first one pending at its size though it holds nothing yet.
         with _Locked(tmp_path) as fd:
-            settled = usage.settle(fd)
+            settled = usage.settle(fd, tmp_path)
             assert settled.ledger is not None and settled.ledger.used == 2 * UNIT
             assert settled.unallocated == UNIT
         other[0].discard()
