@@ -15,9 +15,11 @@ One thread, so requests that block queue behind each other there and never take 
 executor threads that verify and publish chunks.
 
 A request costs the I/O thread little: no future and no executor work item, just an
-entry on a queue the thread drains, and a wake-up only when the thread sleeps (while it
-works through the queue, or blocks in a call, new requests wait there without one). What
-it finds queued it coalesces: adjacent ranges of one file become one call.
+entry on a queue the thread drains, and a wake-up only when the thread sleeps. It sleeps
+only after 0.1 s without a request (until then it looks at the queue every 10 ms), so
+while downloads run, requests wait on the queue without one, as they do while the thread
+blocks in a call. What it finds queued it coalesces: adjacent ranges of one file become
+one call.
 
 Descriptor lifetime: each queued request holds a duplicate of the file's descriptor, made
 on the requesting thread while the file is open (:func:`asynccache.forksafe.dup_fd`), and
@@ -40,6 +42,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -57,6 +60,11 @@ MAX_QUEUED = 256
 
 _SYNC_FILE_RANGE_WRITE = 2
 _IDLE_WAIT_S = 60.0  # the sleeping thread looks at its queue at least this often
+# After its last request the thread stays awake this long, looking at its queue every
+# _LINGER_S, before it sleeps: a download asks every 8 MiB (every 10-30 ms on loopback),
+# and a request that finds the thread awake costs the I/O thread no wake-up.
+_LINGER_S = 0.01
+_LINGER_POLLS = 10
 
 
 def _load() -> Callable[[int, int, int, int], int] | None:
@@ -98,8 +106,9 @@ class _Writer:
 
     Invariants: only the thread pops the queue; ``sleeping`` is True only while the thread
     waits (or is about to wait) on ``wake`` and has seen the queue empty after setting it,
-    so a request appended then always finds it True and sets ``wake``; ``busy`` counts the
-    requests taken off the queue and not done yet (for :func:`flush`).
+    so a request appended then always finds it True and sets ``wake``; ``queued`` counts
+    the requests ever queued (by the requesting thread), ``done`` those finished (by the
+    writeback thread, under ``idle``), for :func:`flush`.
     """
 
     def __init__(self) -> None:
@@ -107,12 +116,14 @@ class _Writer:
         self.wake = threading.Event()
         self.idle = threading.Condition(threading.Lock())
         self.sleeping = False
-        self.busy = 0
+        self.queued = 0
+        self.done = 0
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._run, name="asynccache-writeback", daemon=True)
         self.thread.start()
 
     def put(self, request: _Request) -> None:
+        self.queued += 1  # one requesting thread at a time: the I/O thread
         self.queue.append(request)
         if self.sleeping:
             self.sleeping = False
@@ -120,34 +131,41 @@ class _Writer:
 
     def _run(self) -> None:
         queue = self.queue
+        polls = 0
         while True:
+            if not queue and polls < _LINGER_POLLS:
+                # Still awake for the next request of a download in progress: it is
+                # queued with no wake-up of this thread (see the module docstring).
+                polls += 1
+                time.sleep(_LINGER_S)
+                continue
             if not queue:
+                polls = 0
                 self.wake.clear()
                 self.sleeping = True
                 if not queue:
-                    with self.idle:
-                        self.idle.notify_all()
                     self.wake.wait(_IDLE_WAIT_S)
                 self.sleeping = False
                 continue
+            polls = 0
             batch: list[_Request] = []
             while queue:
                 batch.append(queue.popleft())
-            self.busy = len(batch)
             try:
                 _write_back(batch)
             except Exception as exc:  # best effort: the fsync at publish still waits
                 log.debug("writeback of %d ranges failed: %r", len(batch), exc)
             finally:
-                self.busy = 0
+                with self.idle:
+                    self.done += len(batch)
+                    self.idle.notify_all()
 
     def flush(self, timeout: float) -> bool:
         """Wait until every request queued before this call is done (at most ``timeout``
-        seconds); True when the queue is empty and the thread idle."""
+        seconds); True when they are."""
+        upto = self.queued
         with self.idle:
-            return self.idle.wait_for(
-                lambda: not self.queue and not self.busy and self.sleeping, timeout
-            )
+            return self.idle.wait_for(lambda: self.done >= upto, timeout)
 
 
 def _write_back(batch: list[_Request]) -> None:
