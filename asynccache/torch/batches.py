@@ -23,14 +23,6 @@ What keeps a batch's buffer busy: any tensor of the batch, any view or slice of 
 ``.numpy()`` of one, or its storage. ``pin_memory`` and ``.to(device)`` copy, so the
 buffer frees as soon as the pinned / device copy is made and the batch dropped.
 
-A worker unmaps the pages of a buffer other than its first once the batch in it is
-handed over (``madvise(MADV_DONTNEED)``: the bytes stay in the shared memory, the
-consumer's to read) and maps them again, in one call, when it takes the buffer next
-(``MADV_POPULATE_READ``). So a batch waiting in the queue or held by the consumer counts
-in no worker's memory (PSS), as one made by ``default_collate`` does once sent; the first
-buffer, taken whenever the consumer keeps up, stays mapped (unmapping and mapping 6.4 MB
-again costs 1.5-2 ms of CPU).
-
 Cells left behind by a worker process that died (a batch it sent that was never
 received) are reclaimed by the next worker process on that row.
 
@@ -49,12 +41,9 @@ rows raise :class:`~asynccache.errors.ConfigError`.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-import sys
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -77,37 +66,6 @@ BLOCK_BYTES = ROWS * _COLS * 8
 
 # The busy blocks of datasets created in this process, by token (the main process
 # looks a received batch's block up here).
-_MADV_DONTNEED = 4
-_MADV_POPULATE_READ = 22  # Linux 5.14 and later (EINVAL before: the pages fault one by one)
-_PAGE = 4096
-
-
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _load_madvise()
-
-
-def _advise(buf: torch.Tensor, advice: int) -> bool:
-    """``madvise`` the whole pages of ``buf``'s storage (False: not done)."""
-    storage = buf.untyped_storage()
-    ptr = storage.data_ptr()
-    start = -(-ptr // _PAGE) * _PAGE
-    end = (ptr + storage.nbytes()) // _PAGE * _PAGE
-    if _madvise is None or end <= start:
-        return False
-    return _madvise(start, end - start, advice) == 0
-
-
 _BLOCKS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 # The consumer's mappings of the workers' pooled buffers: token -> (row, slot) ->
 # (buffer id, uint8 numpy array over the shared storage).
@@ -256,7 +214,6 @@ class Pool:
         self.buffers: dict[int, torch.Tensor] = {}
         self.ids: dict[int, int] = {}
         self.memory: dict[int, np.ndarray] = {}
-        self.dropped: set[int] = set()  # slots whose pages this process let go of
         for k, mark in enumerate(self.cells.tolist()):
             if mark and (mark >> 32 == pid or not pid_alive(mark >> 32)):
                 self.cells[k] = 0  # left by a dead process (or this pid's previous life)
@@ -285,12 +242,6 @@ class Pool:
                     count(self.block, self.row, "pooled_buffers")
                 buf = self.buffers[k] = shared_bytes(nbytes)
                 self.ids[k] = self._id()
-                self.dropped.discard(k)
-            elif k in self.dropped:
-                # Map its pages again in one call (a read fault maps 16 at once), not one
-                # write fault per page as the batch is copied in.
-                self.dropped.discard(k)
-                _advise(buf, _MADV_POPULATE_READ)
             return k, buf
         count(self.block, self.row, "unpooled_buffers")
         if self.here:
@@ -320,12 +271,6 @@ class Pool:
         if int(self.acks[slot]) != buffer_id:  # the consumer has not mapped it yet
             storage = buf.untyped_storage()
             count(self.block, self.row, "sent_buffers")
-        # The batch is written: this process unmaps the buffer's pages (they stay in the
-        # shared memory, the consumer's to read) until it takes the buffer again. Not the
-        # first slot's, taken whenever the consumer keeps up (about half the batches):
-        # unmapping and mapping 6.4 MB again costs 1.5-2 ms of CPU.
-        if slot and _advise(buf, _MADV_DONTNEED):
-            self.dropped.add(slot)
         return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage)
 
 

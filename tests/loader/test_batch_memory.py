@@ -4,7 +4,6 @@ do the pages read to check items read by range."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,7 @@ import pytest
 from torch.utils.data import Dataset
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.batchread import Form, Leaf
 from asynccache.testing.faults import Fault, FaultProxy
-from asynccache.torch import batches
 from tests.download import test_first_read as first_read
 from tests.loader.test_batch import per_item, same
 
@@ -96,53 +93,3 @@ def test_pages_compared_with_range_reads_are_not_kept_mapped(remote, written, ob
         assert chunk_rss(tmp_path / "cc") < 3 * first_read.EARLY // 4  # was EARLY and more
         assert len(list(it)) == first_read.N - 10
         ds.close()
-
-
-def _rss_at(address: int) -> int:
-    """Resident bytes of this process's mapping that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5:
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = lo <= address < hi
-            elif inside and head[0] == "Rss:":
-                return int(head[1]) << 10
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_a_worker_unmaps_the_pages_of_a_queued_batch_and_its_bytes_stay():
-    """The bug: a worker kept every pooled buffer mapped while its batch waited in the
-    queue or was held (19 MiB of shared memory per worker counted in its PSS at batch 64
-    of 100 KiB, where torch's own path unmaps a batch once sent). Now a buffer other than
-    the first is unmapped once its batch is handed over, and mapped again (all its
-    pages) when taken next; the consumer reads the same bytes."""
-    rows, size = 4, 256 << 10
-    form = Form(("leaf", 0), (Leaf("a", "|u1", (size,)),))
-    nbytes = form.regions(rows)[1]
-    block = batches.shared_bytes(batches.BLOCK_BYTES)
-    token = "t-unmapped"
-    batches.register(token, block)
-    pool = batches.Pool(block, token, 5)  # as in a worker: shared buffers, sent by reference
-    want = np.random.default_rng(1).integers(0, 256, rows * size, dtype=np.uint8)
-    sent, bufs = [], []
-    for k in range(2):  # the first stays busy: the second batch takes slot 1
-        slot, buf = pool.take(nbytes)
-        assert slot == k
-        buf.numpy()[: rows * size] = want + k
-        sent.append(pool.send(form, rows, slot, buf))
-        bufs.append(buf)
-    page = 4096
-    assert _rss_at(bufs[0].data_ptr()) >= nbytes // page * page  # the first slot: kept
-    assert _rss_at(bufs[1].data_ptr()) == 0  # unmapped here while the batch is queued
-    got = [batches._unpickled(*p.args) for p in sent]  # what the consumer receives
-    for k, batch in enumerate(got):
-        assert np.array_equal(batch.numpy().reshape(-1), want + k)
-    del got, batch
-    gc.collect()  # the consumer let go: both slots free
-    assert not batches.table(block)[pool.row, :2].any()
-    pool.cells[0] = 1  # (slot 0 busy: the next take is slot 1, unmapped here)
-    slot, buf = pool.take(nbytes)
-    assert slot == 1 and buf.data_ptr() == bufs[1].data_ptr()
-    assert np.array_equal(buf.numpy()[: rows * size], want + 1)
