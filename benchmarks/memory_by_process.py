@@ -9,11 +9,15 @@ DataLoader moving batches of the same shape from RAM). Printed per run: the peak
 its anonymous, file-backed and shared-memory parts, and each process's share at the
 moment of the peak (main process and workers).
 
+``--touch``: the consumer reads one byte of every page of each batch (as a training step
+copying it to a device would), the floor's consumer too: a page the consumer reads is
+mapped in its process, and counts there for as long as that mapping keeps it.
+
 ``--slots``: also one cold and one warm epoch in this process with ``batches.Pool.take``
 counted (forked workers inherit the count): how often each pooled slot is taken, and how
 many of the worker's slots were busy at each take.
 
-    python benchmarks/memory_by_process.py [--total-mb 1024] [--reps 1] [--slots]
+    python benchmarks/memory_by_process.py [--total-mb 1024] [--reps 1] [--touch] [--slots]
 """
 
 from __future__ import annotations
@@ -53,6 +57,43 @@ def _peak_line(kind: str, seconds: float, root: int, s: limits.PssSampler) -> st
             f"f {d.get('Pss_File', 0) / MIB:.0f}, s {d.get('Pss_Shmem', 0) / MIB:.0f})"
         )
     return line + f"; load {limits.loadavg()}"
+
+
+def touched_epoch(
+    floor: bool,
+    url: str,
+    options: dict[str, str],
+    cache: str,
+    batch: int,
+    workers: int,
+    item_bytes: int,
+) -> None:
+    """``compare.memory_epoch`` whose consumer reads a byte of every page of each batch."""
+    compare.quiet()
+    import numpy as np
+    import torch
+    from streaming_epoch import ListIterable
+    from torch.utils.data import DataLoader
+
+    from asynccache import CacheDataLoader, StreamingDataset
+
+    ds = StreamingDataset(url, cache_dir=cache, storage_options=options)
+    loader: Any
+    if floor:
+        one = np.zeros(item_bytes, dtype=np.uint8)
+        loader = DataLoader(
+            ListIterable([one] * len(ds), batch, False, 0), batch_size=batch, num_workers=workers
+        )
+    else:
+        loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
+    n, total = 0, 0
+    for b in loader:
+        n += compare.batch_len(b)
+        for t in b.values() if isinstance(b, dict) else [b]:
+            if isinstance(t, torch.Tensor):
+                total += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    if n != len(ds):
+        raise SystemExit(f"memory epoch yielded {n} of {len(ds)} items ({total})")
 
 
 def _count_slots(log: str) -> None:
@@ -108,6 +149,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--slots", action="store_true")
+    ap.add_argument("--touch", action="store_true", help="the consumer reads every page")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     ctx = mp.get_context("spawn")
@@ -122,7 +164,8 @@ def main() -> None:
             for i, floor in enumerate([False] * args.reps + [True]):
                 cache = work / f"cache-{i}"
                 call = (floor, served.url, options, str(cache), args.batch, args.workers)
-                proc = ctx.Process(target=compare.memory_epoch, args=(*call, args.item_kb << 10))
+                epoch = touched_epoch if args.touch else compare.memory_epoch
+                proc = ctx.Process(target=epoch, args=(*call, args.item_kb << 10))
                 t0 = time.perf_counter()
                 proc.start()
                 assert proc.pid is not None
