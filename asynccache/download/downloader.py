@@ -39,6 +39,7 @@ from .progress import ProgressClock
 from .ranges import read_range
 from .retry import RetryPolicy
 from .stats import DownloadStats
+from .writeback import flush as flush_writeback
 
 __all__ = ["ChunkSpec", "Downloader", "file_checksum"]
 
@@ -52,6 +53,7 @@ _DEFER_RETRY_S = 0.1  # a deferred prefetch is tried again this soon, or at the 
 _SPLIT_MIN_BYTES = 1 << 20  # a straggler is split only if each half keeps at least this
 _SPLIT_FIRST_BYTES = 8  # ... and only if what is left takes this many first-byte waits
 _AHEAD_FILES = 2  # temporary files made ahead for the window's next chunks (_make_ahead)
+_WRITEBACK_FLUSH_S = 5.0  # at close, the wait for early-writeback requests still queued
 
 
 @dataclasses.dataclass(frozen=True)
@@ -959,6 +961,10 @@ class Downloader:
             await asyncio.wait(tasks, timeout=5.0)
         with contextlib.suppress(Exception):
             await self.store.release_ahead(frozenset())  # nothing will take them now
+        if not flush_writeback(0):
+            # Early-writeback requests still queued hold duplicates of their files'
+            # descriptors until the writeback thread gets to them: wait for it (bounded).
+            await asyncio.to_thread(flush_writeback, _WRITEBACK_FLUSH_S)
 
     # -- running from sync code ----------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
