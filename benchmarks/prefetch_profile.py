@@ -47,9 +47,18 @@ _LEAVES = (
 )
 
 
+# Hand-offs to other threads, counted wherever they are in the stack (not only as leaves).
+_HANDOFFS = (
+    ("ThreadPoolExecutor.submit", "ThreadPoolExecutor.submit (to_thread, executor hand-offs)"),
+    ("request_writeback", "writeback requests (queue, wake-up, descriptor duplicate)"),
+    ("call_soon_threadsafe", "call_soon_threadsafe"),
+)
+
+
 def summarize(path: str) -> None:
     """Share of the I/O thread's samples by what was on CPU."""
     counts: collections.Counter[str] = collections.Counter()
+    handoffs: collections.Counter[str] = collections.Counter()
     total = every = 0
     for line in Path(path).read_text().splitlines():
         stack, _, n = line.rpartition(" ")
@@ -59,6 +68,9 @@ def summarize(path: str) -> None:
             continue
         frames = stack.split(";")
         total += int(n)
+        for key, label in _HANDOFFS:
+            if any(key in f for f in frames):
+                handoffs[label] += int(n)
         leaf = frames[-1]
         name = next((label for key, label in _LEAVES if key in leaf), None)
         if name is None:
@@ -66,6 +78,8 @@ def summarize(path: str) -> None:
             name = py[-1].split(" ")[0] + " " + py[-1].split("/")[-1] if py else leaf
         counts[name] += int(n)
     print(f"I/O thread samples: {total} ({100 * total / max(every, 1):.0f}% of the prefetch's)")
+    for name, n in handoffs.most_common():
+        print(f"{100 * n / max(total, 1):5.1f}%  (within) {name}")
     for name, n in counts.most_common(25):
         print(f"{100 * n / max(total, 1):5.1f}%  {name}")
 
