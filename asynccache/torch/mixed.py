@@ -574,7 +574,8 @@ class MixedDataset(StreamingDataset):
         try:
             return super()._lead_batch(keys)
         finally:
-            self._reader.close()  # no stream keeps a chunk mapped or pinned here
+            if "_lead_open" not in self.__dict__:  # the last lead batch (or a failed one)
+                self._reader.close()  # no stream keeps a chunk mapped or pinned here
 
     def _skip_range_reads(self) -> None:
         for st in self.streams:

@@ -18,6 +18,7 @@ import asynccache.reader as reader_module
 from asynccache import CacheDataLoader, StreamingDataset
 from asynccache.config import Settings
 from tests.helpers import write_noise_dataset
+from tests.loader.mix_data import CHUNK, mix, write_streams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,3 +62,37 @@ def test_lead_batches_map_each_chunk_once_and_release_them_before_the_workers_st
     again = [p for p, n in lead.items() if n > 1]
     assert not again, f"mapped again for the second lead batch: {again}"
     ds.close()
+
+
+def test_a_mix_s_lead_batches_map_each_chunk_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a mix: each stream's chunks are mapped once for both lead batches
+    (they were closed and mapped again after the first), and closed before the forks."""
+    maps: collections.Counter[str] = collections.Counter()
+    real = reader_module.map_chunk
+
+    def counted(path: str, *args: Any, **kw: Any) -> Any:
+        maps[path] += 1
+        return real(path, *args, **kw)
+
+    streams = write_streams(str(tmp_path))
+    monkeypatch.setattr(reader_module, "map_chunk", counted)
+    kw = {"stream_kw": {"settings": Settings.from_env(progress=False, first_batch_here=True)}}
+    ds = mix(streams, "stratified", batch_size=8, **kw)
+    loader = CacheDataLoader(ds, batch_size=8, num_workers=2)
+    # The chunks in the cache first (a mix builds its lead batches from cached chunks).
+    assert sum(len(b["i"]) for b in loader) == sum(ds.stream_counts)
+    maps.clear()
+    it = iter(loader)
+    first = next(it)
+    assert ds._lead_batches == 4  # two in each of the two epochs
+    assert all(not s._reader._open for s in ds.streams)
+    lead = dict(maps)
+    second = next(it)
+    assert len(list(it)) + 2 == -(-sum(ds.stream_counts) // 8)
+    shared = {(int(s), int(i) // CHUNK) for s, i in zip(first["s"], first["i"], strict=True)}
+    shared &= {(int(s), int(i) // CHUNK) for s, i in zip(second["s"], second["i"], strict=True)}
+    assert shared  # the two lead batches read some chunk of the same stream
+    again = [p for p, n in lead.items() if n > 1]
+    assert lead and not again, f"mapped again for the second lead batch: {again}"
