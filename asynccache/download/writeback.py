@@ -123,7 +123,7 @@ class _Writer:
         self.thread.start()
 
     def put(self, request: _Request) -> None:
-        self.queued += 1  # one requesting thread at a time: the I/O thread
+        self.queued += 1  # the I/O thread(s): a lost count only ends a flush() early
         self.queue.append(request)
         if self.sleeping:
             self.sleeping = False
