@@ -763,9 +763,12 @@ class StreamingDataset(IterableDataset[Any]):
         lead batches are mostly built by then."""
         start = time.monotonic()
         deadline = start + bound
-        link = (
-            link_for(endpoint_of(self.source.downloader().storage)) if self.source.remote else None
-        )
+        link = None
+        if self.source.remote:
+            try:
+                link = link_for(endpoint_of(self.source.downloader().storage))
+            except Exception:  # (the lead batches raise it to the consumer) wait as before
+                log.debug("no link estimate for the workers' start", exc_info=True)
         while not built.wait(_EARLY_START_POLL_S if link is not None else bound):
             if time.monotonic() >= deadline:
                 return
