@@ -8,6 +8,9 @@ the direct path receives the ranges itself (nothing handed to aiohttp).
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
 from asynccache.bridge import LoopThread
@@ -18,6 +21,8 @@ from asynccache.errors import ObjectNotFoundError, RetriesExhaustedError
 from asynccache.storage import open_storage
 from asynccache.storage.wire import DirectPool
 from asynccache.testing.faults import Fault, FaultProxy
+from asynccache.torch.streaming import StreamingDataset
+from tests.helpers import noise_item, uploaded, write_noise_dataset
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,3 +128,38 @@ def test_both_paths_give_the_same_errors(tmp_path, lt, src, http_origin) -> None
             assert pool is not None and pool.handed_back == 0
         seen[receive] = (type(missing.value), type(spent.value), type(spent.value.__cause__))
     assert seen["direct"] == seen["aiohttp"]
+
+
+def test_a_datasets_first_items_by_range_are_the_same_both_ways(objstore, tmp_path) -> None:
+    """The reader's first items come by range under either receive path, as the same
+    items, bit for bit (the first chunk's whole GET is held back, so they must)."""
+    n, per_chunk, item = 64, 32, 48 << 10  # chunks of 1.5 MiB: range reads start at 1 MiB
+    src = write_noise_dataset(tmp_path / "src", n, per_chunk, item)
+    name = sorted(f for f in os.listdir(src) if f.endswith(".bin"))[0]
+    size = (src / name).stat().st_size
+    got = {}
+    with uploaded(src, objstore, "ranges") as url:
+        for receive in PATHS:
+            with FaultProxy(objstore.endpoint_url) as proxy:
+                proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=0.5))
+                settings = Settings.from_env(
+                    progress=False, first_read_bytes=8 * item, receive=receive
+                )
+                ds = StreamingDataset(
+                    url,
+                    cache_dir=tmp_path / f"cc-{receive}",
+                    storage_options=dict(objstore.storage_options, endpoint_url=proxy.url),
+                    settings=settings,
+                )
+                try:
+                    got[receive] = list(ds)
+                    stats = ds.source.stats
+                finally:
+                    ds.close()
+                assert proxy.fired("slow") == 1, receive
+            assert stats.range_gets == 2 and stats.range_bytes > 0, (receive, stats)
+            assert [g["i"] for g in got[receive]] == list(range(n))
+            for g in got[receive]:
+                np.testing.assert_array_equal(g["x"], noise_item(g["i"], item)["x"])
+    for a, b in zip(got["direct"], got["aiohttp"], strict=True):
+        assert a["i"] == b["i"] and bytes(a["x"]) == bytes(b["x"])
