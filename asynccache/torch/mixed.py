@@ -571,6 +571,8 @@ class MixedDataset(StreamingDataset):
         return False  # (built here from cached chunks only)
 
     def _lead_batch(self, keys: np.ndarray) -> Any:
+        for st in self.streams:  # (forms learned anew, as StreamingDataset._lead_batch does)
+            st.__dict__.pop("_forms", None)
         try:
             return super()._lead_batch(keys)
         finally:

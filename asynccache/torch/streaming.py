@@ -865,14 +865,16 @@ class StreamingDataset(IterableDataset[Any]):
         """The batch of units ``keys`` (from :meth:`_lead`), built here: the same bytes a
         worker would send (its items read by range on a cold cache, assembled from the
         mapped chunks on a warm one). Range-read items are compared with their chunks at
-        :meth:`_lead_done`. The chunks stay open, their forms learned, from the first
-        lead batch to the last (a shuffled epoch's two draw from one window), and are
-        released after it, before the workers are forked."""
+        :meth:`_lead_done`. The chunks stay open from the first lead batch to the last
+        (a shuffled epoch's two draw from one window), and are released after it, before
+        the workers are forked."""
         pool = self._batch_pool(batches.MAIN_ROW, here=True)
         opened: dict[int, None] | None = self.__dict__.get("_lead_open")
         if opened is None:  # the first lead batch of this epoch
             opened = self.__dict__["_lead_open"] = {}
-            self.__dict__["_forms"] = collections.OrderedDict()
+        # Forms learned anew: a chunk's second ask sweeps every item's header, work the
+        # workers would not inherit (the second lead batch took 4 ms longer).
+        self.__dict__["_forms"] = collections.OrderedDict()
         self._lead_batches = self.__dict__.get("_lead_batches", 0) + 1
         last = self._lead_batches >= self.__dict__.get("_lead_last", 0)
         # One intra-op thread, as in a DataLoader worker: collating 64 items on torch's
