@@ -111,8 +111,8 @@ def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
     def start() -> None:
         # Forking holds the interpreter lock: wait until the batch is built, so the
         # batch is handed over at once; a batch that takes long (a slow link) gets the
-        # workers' start beside it after _START_AFTER_S, or on a far link at once.
-        ds._wait_to_start_workers(go, _START_AFTER_S)
+        # workers' start beside it after _START_AFTER_S.
+        go.wait(_START_AFTER_S)
         if go.is_set() and not built:
             return  # building it failed: nothing to start
         try:

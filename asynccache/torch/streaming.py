@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import secrets
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,12 +50,6 @@ _LEAD_BATCHES = 2
 # two 64 MiB chunks) a worker's wait for the main process's fsync cost more than it saved.
 _HEAD_MIN_S = 1.0
 _HEAD_MIN_TTFB_S = 0.01  # ... or, with no rate measured yet, where a first byte takes this
-# The DataLoader workers start beside the lead batches, not after them, on a link whose
-# first byte takes at least this long (see StreamingDataset._wait_to_start_workers).
-# Loopback measured 1-13 ms as its least wait on a busy 2-core machine.
-_EARLY_START_TTFB_S = 0.015
-_EARLY_START_MIN_S = 0.1  # ... and not before this: loopback builds them in about 0.1 s
-_EARLY_START_POLL_S = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -745,37 +737,6 @@ class StreamingDataset(IterableDataset[Any]):
             dl.release_prefetch()
         else:
             self._head_stop()
-
-    def _wait_to_start_workers(self, built: threading.Event, bound: float) -> None:
-        """Until the DataLoader's workers may start (in the thread that starts them):
-        once the lead batches are built (``built``), or at once on a far link, at most
-        ``bound`` seconds.
-
-        Forking holds the interpreter lock, so on loopback the workers start after the
-        lead batches (they are handed over at once). On a link whose first byte takes
-        ``_EARLY_START_TTFB_S`` or more (as this process's range reads for those batches
-        measure it, or an earlier epoch's downloads), building them takes 0.3-0.5 s of
-        waiting on the network, and the workers' own start (fork, session, plan:
-        0.15-0.2 s) before their first chunk GET added to it: their connections sat
-        idle for the first 0.5-0.6 s of the epoch. There they start as soon as the link
-        is known to be far (the first range read's first byte), though not before
-        ``_EARLY_START_MIN_S``: on a busy machine loopback's waits can look far, and its
-        lead batches are mostly built by then."""
-        start = time.monotonic()
-        deadline = start + bound
-        link = None
-        if self.source.remote:
-            try:
-                link = link_for(endpoint_of(self.source.downloader().storage))
-            except Exception:  # (the lead batches raise it to the consumer) wait as before
-                log.debug("no link estimate for the workers' start", exc_info=True)
-        while not built.wait(_EARLY_START_POLL_S if link is not None else bound):
-            if time.monotonic() >= deadline:
-                return
-            ttfb = link.ttfb_s if link is not None else None
-            far = ttfb is not None and ttfb >= _EARLY_START_TTFB_S
-            if far and time.monotonic() - start >= _EARLY_START_MIN_S:
-                return
 
     def _head_start(self, p: Plan, order: ReadOrder, received: int) -> None:
         """In the main process, before the DataLoader workers start: start downloading
