@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 __all__ = [
@@ -58,6 +59,16 @@ class _Registry:
         self.fds: set[int] = set()
         self.objects: weakref.WeakSet[ForkResettable] = weakref.WeakSet()
         self.forks = 0
+        # Opens in flight without the mutex (see open_fd): their paths, so a child forked
+        # in the middle of one closes the copy it got.
+        self.opening: dict[int, str | os.PathLike[str]] = {}
+        self._next = 0
+
+    def begin_open(self, path: str | os.PathLike[str]) -> int:
+        """Record an open about to run without the mutex; the caller holds ``mu``."""
+        self._next += 1
+        self.opening[self._next] = path
+        return self._next
 
     def before_fork(self) -> None:
         self.mu.acquire()
@@ -72,6 +83,9 @@ class _Registry:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        opening, self.opening = self.opening, {}
+        if opening:
+            _close_copies_of(opening.values())
         for obj in list(self.objects):
             obj._after_fork_in_child()
 
@@ -95,7 +109,9 @@ def open_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
     child a copy it does not know of; so when a fork overlapped the open, the descriptor
     is replaced, before anything locks it, by a fresh open of the same file through
     ``/proc/self/fd`` (a new open file description, shared with no child: a flock taken
-    on it later is this process's alone). The child's stray copy stays unlocked. Where
+    on it later is this process's alone). The child closes its copy as it starts: the
+    paths of opens in flight at the fork are recorded, and the child closes whatever it
+    holds open on those files after its tracked descriptors (:func:`_close_copies_of`). Where
     ``/proc/self/fd`` is missing the mutex is held across the open, as a fork waits for
     it. Raises what ``os.open`` raises.
     """
@@ -106,21 +122,47 @@ def open_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
         return fd
     with _registry.mu:
         forks = _registry.forks
-    fd = os.open(path, flags | os.O_CLOEXEC, mode)
-    while True:
+        token = _registry.begin_open(path)
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC, mode)
+        while True:
+            with _registry.mu:
+                if _registry.forks == forks:
+                    _registry.fds.add(fd)
+                    return fd
+                forks = _registry.forks
+            # A fork overlapped: the same file, a description of our own (no create, no
+            # truncate: it exists and is what we opened).
+            again = _REOPEN_FLAGS & flags
+            try:
+                new = os.open(f"{_PROC_FD}{fd}", again | os.O_CLOEXEC)
+            finally:
+                os.close(fd)
+            fd = new
+    finally:
         with _registry.mu:
-            if _registry.forks == forks:
-                _registry.fds.add(fd)
-                return fd
-            forks = _registry.forks
-        # A fork overlapped: the same file, a description of our own (no create, no
-        # truncate: it exists and is what we opened).
-        again = _REOPEN_FLAGS & flags
-        try:
-            new = os.open(f"{_PROC_FD}{fd}", again | os.O_CLOEXEC)
-        finally:
-            os.close(fd)
-        fd = new
+            _registry.opening.pop(token, None)
+
+
+def _close_copies_of(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """In a forked child: close every descriptor of the files that opens in flight at
+    the fork were opening (the child's copies, which no table of the child knows).
+    Only files of the library are opened through :func:`open_fd`, and the tracked
+    descriptors are already closed, so what is left open on those files is a copy."""
+    keys = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            keys.add((st.st_dev, st.st_ino))
+    if not keys:
+        return
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_PROC_FD):
+            with contextlib.suppress(OSError, ValueError):
+                fd = int(name)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) in keys:
+                    os.close(fd)
 
 
 _PROC_FD = "/proc/self/fd/"

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -320,3 +321,43 @@ def test_fork_during_open_leaves_the_child_no_lock(tmp_path, monkeypatch) -> Non
     finally:
         os.close(other)
         os.close(child_copy[0])
+
+
+def test_child_forked_during_open_closes_its_copy(tmp_path, monkeypatch) -> None:
+    """A real fork lands between ``os.open`` returning and the descriptor being tracked:
+    the child must not keep the copy it inherited (it would hold the file open, and a
+    deleted temporary file's space with it, for the child's whole life)."""
+    path = str(tmp_path / "y.tmp")
+    real = os.open
+    pids: list[int] = []
+
+    def open_then_fork(p, flags, mode=0o777, **kw):  # type: ignore[no-untyped-def]
+        fd = real(p, flags, mode, **kw)
+        if p == path and not pids:
+            pid = os.fork()
+            if pid == 0:  # the child: is the copy still open once the fork hooks ran?
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    os._exit(0)
+                os._exit(3)
+            pids.append(pid)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_fork)
+    fd = forksafe.open_fd(path, os.O_RDWR | os.O_CREAT)
+    monkeypatch.setattr(os, "open", real)
+    try:
+        assert pids and fd in forksafe.tracked_fds()
+        deadline = time.monotonic() + _BOUND_S
+        while True:
+            pid, status = os.waitpid(pids[0], os.WNOHANG)
+            if pid or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert pid, "the child did not exit"
+        assert os.waitstatus_to_exitcode(status) == 0, "the child kept its copy open"
+        # The parent's own descriptor is untouched.
+        assert os.fstat(fd).st_ino == os.stat(path).st_ino
+    finally:
+        forksafe.close_fd(fd)
