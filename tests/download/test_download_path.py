@@ -10,7 +10,6 @@ import time
 import pytest
 from dl_support import make_chunks
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader
@@ -20,13 +19,6 @@ from asynccache.testing.faults import Fault, FaultProxy
 pytestmark = pytest.mark.timeout(60)
 
 PART = 256 << 10
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 def _downloader(tmp_path, lt, url, **kw) -> Downloader:

@@ -11,7 +11,6 @@ import pytest
 import xxhash
 from dl_support import DictStorage
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader, prefetch_dataset
@@ -49,13 +48,6 @@ def _objects(n: int, size: int) -> dict[str, bytes]:
 
 def _xx(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 def _make(tmp_path, lt, objects, **kw):

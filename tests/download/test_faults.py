@@ -8,7 +8,6 @@ import time
 import pytest
 from dl_support import make_chunks
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
@@ -45,13 +44,6 @@ def origin(tmp_path, http_origin):
     src.mkdir()
     chunks = make_chunks(src, [SIZE, 1000])
     return http_origin(src), chunks
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 def _fetch(tmp_path, lt, url, chunks, name="chunk-0-0.bin", **kw):

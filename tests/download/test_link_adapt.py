@@ -15,7 +15,6 @@ from dl_support import DictStorage, make_chunks
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader
@@ -169,13 +168,6 @@ def test_an_explicit_part_size_turns_adaptation_off() -> None:
 
 # -- real downloads through the proxy -----------------------------------------------------
 CHUNK = 6 * MiB  # 2 chunks ahead, 2 connections: fill = 6 MiB, start = lo = 2 MiB
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 @pytest.fixture(scope="module")

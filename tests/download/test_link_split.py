@@ -16,7 +16,6 @@ import time
 import pytest
 from dl_support import make_chunks
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader
@@ -30,13 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 BIG, SMALL = 6 * MiB, 1 * MiB  # one chunk: a long first part and a short second one
 RATE = 8_000_000  # bytes/s per connection through the proxy
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 @pytest.fixture(scope="module")

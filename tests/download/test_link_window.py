@@ -13,7 +13,6 @@ import time
 import pytest
 from dl_support import make_chunks
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader
@@ -41,13 +40,6 @@ def test_window_bytes_is_one_part_per_connection_within_a_quarter_of_the_budget(
     assert window_bytes(settings, unknown, 64 * MiB) == 16 * MiB  # the budget's quarter
     fixed = Settings.from_env({"ASYNCCACHE_PART_BYTES": "8MiB"})
     assert window_bytes(fixed, unknown, 1 << 40) == 0  # a fixed part size: chunks only
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 @pytest.fixture(scope="module")

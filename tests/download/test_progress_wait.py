@@ -85,13 +85,6 @@ def test_trickle_below_the_floor_is_a_stall(served, tmp_path) -> None:
             assert _lock_free(src.downloader().store.lock_path(CHUNK))
 
 
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
-
-
 def _downloader(tmp_path, lt, url, **kw) -> Downloader:
     settings = _settings(tmp_path, **kw)
     storage = open_storage(url, settings)

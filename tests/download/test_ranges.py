@@ -13,7 +13,6 @@ import os
 import numpy as np
 import pytest
 
-from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
@@ -30,13 +29,6 @@ PATHS = ("direct", "aiohttp")
 SIZE = 600_000
 DATA = bytes((i * 13 + i // 509) & 0xFF for i in range(SIZE))
 RANGES = [(0, 64), (1000, 200_000), (300_001, SIZE)]
-
-
-@pytest.fixture
-def lt():
-    loop_thread = LoopThread()
-    yield loop_thread
-    loop_thread.close()
 
 
 @pytest.fixture
