@@ -62,12 +62,24 @@ class _Registry:
         # Opens in flight without the mutex (see open_fd): their paths, so a child forked
         # in the middle of one closes the copy it got.
         self.opening: dict[int, str | os.PathLike[str]] = {}
+        # Closes in flight without the mutex (see close_fd): each descriptor with the
+        # file it is open on, so a child forked in the middle of one closes its copy
+        # (and only that file: the number may have been reused by then).
+        self.closing: dict[int, tuple[int, tuple[int, int]]] = {}
         self._next = 0
 
     def begin_open(self, path: str | os.PathLike[str]) -> int:
         """Record an open about to run without the mutex; the caller holds ``mu``."""
         self._next += 1
         self.opening[self._next] = path
+        return self._next
+
+    def begin_close(self, fd: int, key: tuple[int, int] | None) -> int:
+        """Untrack ``fd``, about to be closed without the mutex; the caller holds ``mu``."""
+        self.fds.discard(fd)
+        self._next += 1
+        if key is not None:
+            self.closing[self._next] = (fd, key)
         return self._next
 
     def before_fork(self) -> None:
@@ -83,6 +95,12 @@ class _Registry:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        closing, self.closing = self.closing, {}
+        for fd, key in closing.values():
+            with contextlib.suppress(OSError):
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == key:  # still the copy: the parent's close was late
+                    os.close(fd)
         opening, self.opening = self.opening, {}
         if opening:
             _close_copies_of(opening.values())
@@ -196,9 +214,30 @@ def untrack_fd(fd: int) -> None:
 
 
 def close_fd(fd: int) -> None:
-    """Untrack and close ``fd``."""
-    untrack_fd(fd)
-    os.close(fd)
+    """Untrack and close ``fd``.
+
+    The close runs without the registry mutex (closing the last descriptor of a deleted
+    file frees its blocks, which may wait for the file system), but never unguarded: a
+    child forked between the untracking and the close inherits a copy of ``fd`` that no
+    table of the child lists, and a copy of a locked descriptor keeps the flock alive for
+    the child's life (a DataLoader worker forked while the main process let a download
+    lock go held that chunk's lock for the whole epoch, and the worker that needed the
+    chunk waited for it). So the close is recorded with the file it is open on, and
+    such a child closes its copy as it starts, if its descriptor of that number is still
+    open on that file (by then the number may name another file, which it leaves alone).
+    """
+    try:
+        st = os.fstat(fd)
+        key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except OSError:
+        key = None  # not open: os.close raises below, as before
+    with _registry.mu:
+        token = _registry.begin_close(fd, key)
+    try:
+        os.close(fd)
+    finally:
+        with _registry.mu:
+            _registry.closing.pop(token, None)
 
 
 def tracked_fds() -> frozenset[int]:

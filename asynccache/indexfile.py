@@ -19,6 +19,7 @@ import mmap
 import os
 from typing import Any
 
+from . import forksafe
 from .cache.locks import try_lock
 from .errors import BadIndexError, ObjectNotFoundError
 from .format import INDEX_NAME, Index
@@ -38,7 +39,7 @@ def map_sidecar(meta: IndexMeta, path: str) -> Index:
         BadIndexError: it is missing or disagrees with ``index.json`` (names ``path``).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = forksafe.open_fd(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise BadIndexError(
             f"{path}: the column sidecar that {meta.where} names is missing"
@@ -57,7 +58,7 @@ def map_sidecar(meta: IndexMeta, path: str) -> Index:
             fcntl.flock(fd, fcntl.LOCK_UN)
         raise
     finally:
-        os.close(fd)
+        forksafe.close_fd(fd)
     object.__setattr__(idx, "_opener", (_reopen, (meta, path)))
     return idx
 
@@ -65,8 +66,8 @@ def map_sidecar(meta: IndexMeta, path: str) -> Index:
 def discard(path: str) -> bool:
     """Remove a damaged cached sidecar unless a process has it mapped (its shared lock);
     True when removed. The next open fetches it again."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # tracked: a child forked meanwhile must not keep the probe's lock
+        fd = forksafe.open_fd(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
@@ -77,7 +78,7 @@ def discard(path: str) -> bool:
     except FileNotFoundError:
         return False
     finally:
-        os.close(fd)
+        forksafe.close_fd(fd)
 
 
 def _reopen(meta: IndexMeta, path: str) -> Index:

@@ -67,8 +67,8 @@ def is_held(directory: str) -> bool:
     Answered by trying a shared, non-blocking lock (released at once). Only meaningful
     on one host: flock across hosts depends on the network file system.
     """
-    try:
-        fd = os.open(lock_path(directory), os.O_RDONLY | os.O_CLOEXEC)
+    try:  # tracked: a child forked meanwhile must not keep the probe's lock
+        fd = forksafe.open_fd(lock_path(directory), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
@@ -76,7 +76,7 @@ def is_held(directory: str) -> bool:
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)  # closing drops the probe's lock, if it got one
+        forksafe.close_fd(fd)  # closing drops the probe's lock, if it got one
     return False
 
 
