@@ -45,6 +45,7 @@ from typing import Any
 import limits
 import streaming_epoch as se
 
+import asynccache.cache.layout as layoutmod
 import asynccache.download.downloader as dlmod
 import asynccache.download.writeback as wbmod
 from asynccache import Settings
@@ -348,6 +349,10 @@ def _no_ahead(self: Any) -> None:
     """Downloader._make_ahead as of 513bc89: no temporary file made ahead."""
 
 
+def _no_dirsync(directory: Any) -> None:
+    """No directory fsync (bench:no-dirsync)."""
+
+
 def _truncating(publish: Callable[..., Any]) -> Callable[..., Any]:
     """TempFile.publish as of 513bc89: the file truncated to its size, always."""
 
@@ -369,6 +374,11 @@ _OLD: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
         (dlmod.Downloader, "_make_ahead", lambda _: _no_ahead),
         (TempFile, "publish", _truncating),
     ],
+    # What the directory fsync of each publish costs: none at all (an upper bound only: a
+    # power loss may then lose a name just published, never show one over unwritten bytes).
+    "bench:no-dirsync": [(layoutmod, "fsync_dir", lambda _: _no_dirsync)],
+    # Temporary files made further ahead.
+    "bench:ahead4": [(dlmod, "_AHEAD_FILES", lambda _: 4)],
 }
 
 
@@ -441,16 +451,88 @@ def _listdir(path: str) -> list[int]:
         return []
 
 
+# -- where threads wait in the kernel (--kernel-stacks) ----------------------------------
+_SYSCALL_FRAMES = ("entry_SYSCALL", "do_syscall", "x64_sys", "__x64", "__se_", "__do_sys")
+
+
+class StackSampler:
+    """Every ``interval_s``: the kernel stack of each thread of this process tree and of
+    ``store_pid`` that is in uninterruptible sleep (state D: the disk, the page cache, a
+    file-system lock), counted by (process, thread name, innermost frames). Reads
+    ``/proc/<pid>/task/<tid>/stack``, which needs root on Linux; elsewhere it records
+    nothing. Only D-state threads' stacks are read, so a sample costs about a millisecond."""
+
+    def __init__(self, store_pid: int, interval_s: float = 0.02, frames: int = 8) -> None:
+        self.store_pid = store_pid
+        self.interval_s = interval_s
+        self.frames = frames
+        self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.samples = 0
+        self.readable = os.access("/proc/self/stack", os.R_OK)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-stacks", daemon=True)
+
+    def _sample(self) -> None:
+        me = os.getpid()
+        for pid in [*limits.tree_pids(), self.store_pid]:
+            who = "main" if pid == me else "store" if pid == self.store_pid else "worker"
+            for tid in _listdir(f"/proc/{pid}/task"):
+                base = f"/proc/{pid}/task/{tid}"
+                try:
+                    with open(f"{base}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "D":
+                            continue
+                    with open(f"{base}/comm") as f:
+                        comm = f.read().strip()
+                    with open(f"{base}/stack") as f:
+                        stack = [ln.split()[1].split("+")[0] for ln in f.read().splitlines()]
+                except (OSError, IndexError):
+                    continue
+                stack = [fr for fr in stack if not fr.startswith(_SYSCALL_FRAMES)]
+                self.counts[(who, comm, " < ".join(stack[: self.frames]))] += 1
+        self.samples += 1
+
+    def _run(self) -> None:
+        while self.readable and not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    def report(self, top: int = 15) -> str:
+        if not self.readable:
+            return "kernel stacks: not readable here (/proc/<pid>/stack needs root on Linux)"
+        lines = [
+            f"kernel stacks of threads in D state, sampled every {self.interval_s * 1e3:.0f} ms "
+            f"({self.samples} samples; seconds = samples x interval, per thread):"
+        ]
+        for (who, comm, stack), n in self.counts.most_common(top):
+            lines.append(f"  {n * self.interval_s:5.2f} s {who:6} {comm:15} {stack}")
+        return "\n".join(lines)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # -- one traced cold epoch --------------------------------------------------------------
 def traced_epoch(
-    rec: Recorder, served: se.Served, cache: Path, shuffle: bool, batch: int, workers: int
+    rec: Recorder,
+    served: se.Served,
+    cache: Path,
+    shuffle: bool,
+    batch: int,
+    workers: int,
+    stacks: StackSampler | None = None,
 ) -> tuple[
     float, float, list[tuple[float, int, int, int]], list[tuple[float, int, int, str]], float
 ]:
     """The epoch's start (monotonic), its seconds, the CPU samples, the thread states, the
     client CPU s."""
     clock = limits.CpuClock(served.store.pid).start()
-    with CpuSampler(served.store.pid) as cpu:
+    with CpuSampler(served.store.pid) as cpu, stacks or contextlib.nullcontext():
         t0 = time.monotonic()
         rec.emit("epoch_start")
         loader = se.streaming_loader(served, cache, shuffle, 0, batch, workers)
@@ -874,6 +956,11 @@ def main() -> None:
     ap.add_argument(
         "--traces", type=str, default="", help="keep each run's events in DIR/trace-<run>"
     )
+    ap.add_argument(
+        "--kernel-stacks",
+        action="store_true",
+        help="also sample the kernel stacks of threads waiting in D state (root, Linux)",
+    )
     args = ap.parse_args()
     settings = Settings.from_env(progress=False)
     work = Path(tempfile.mkdtemp(prefix="asynccache-timeline-"))
@@ -911,9 +998,10 @@ def main() -> None:
                     rec.retarget(trace)
                 cache = work / f"cache-{rep}"
                 load0 = limits.loadavg()
+                stacks = StackSampler(store.pid) if args.kernel_stacks else None
                 with behaviour(switches):
                     t0, seconds, samples, states, client = traced_epoch(
-                        rec, served, cache, args.shuffle, args.batch, args.workers
+                        rec, served, cache, args.shuffle, args.batch, args.workers, stacks
                     )
                 for k, v in saved.items():
                     if v is None:
@@ -930,6 +1018,8 @@ def main() -> None:
                     f"run {rep} ({variant or 'defaults'}): {served.n_items / seconds:,.0f} items/s, client CPU "
                     f"{client:.2f} s; load before {load0}, after {limits.loadavg()}"
                 )
+                if stacks is not None:
+                    text += "\n" + stacks.report()
                 reports.append(head + "\n" + disk + "\n" + text)
                 print(reports[-1], flush=True)
                 shutil.rmtree(cache, ignore_errors=True)
