@@ -56,7 +56,8 @@ from ..fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.02  # how often a kept chunk is looked at while its worker lives
+_POLL_S = 0.005  # how often a kept chunk is looked at while its worker lives (a waiter
+# for its download lock in another process waits up to this much longer)
 ACK_S = 5.0  # a worker's wait for the keeper's acknowledgement
 _MAX_MSG = 1 << 16
 
