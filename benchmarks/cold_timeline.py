@@ -48,6 +48,7 @@ import streaming_epoch as se
 import asynccache.cache.layout as layoutmod
 import asynccache.download.downloader as dlmod
 import asynccache.download.writeback as wbmod
+import asynccache.source as sourcemod
 from asynccache import Settings
 from asynccache.cache.layout import TempFile
 from asynccache.cache.locks import FileLock
@@ -379,6 +380,11 @@ _OLD: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "bench:no-dirsync": [(layoutmod, "fsync_dir", lambda _: _no_dirsync)],
     # Temporary files made further ahead.
     "bench:ahead4": [(dlmod, "_AHEAD_FILES", lambda _: 4)],
+    # ... and for chunks further past the window: the reader hints three chunks past it.
+    "bench:ahead-far": [
+        (dlmod, "_AHEAD_FILES", lambda _: 4),
+        (sourcemod, "HINT_PAST", lambda _: 3),
+    ],
 }
 
 
