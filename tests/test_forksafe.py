@@ -124,3 +124,41 @@ def test_child_leaves_a_reused_number_alone(tmp_path, monkeypatch) -> None:
         assert _wait_exit(pid) == 0, "the child closed another file's descriptor"
     finally:
         os.close(other)
+
+
+def test_received_descriptors_are_tracked(tmp_path) -> None:
+    """A descriptor passed over a Unix socket carries the sender's flock: it is tracked
+    as it arrives (a forked child closes it) and is close-on-exec."""
+    import socket
+
+    path = str(tmp_path / "held.lock")
+    fd = forksafe.open_fd(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        with pytest.raises(TimeoutError):
+            forksafe.recv_fds(b, 64, 4, 0.01)
+        socket.send_fds(a, [b"x"], [fd])
+        msg, fds = forksafe.recv_fds(b, 64, 4, 5.0)
+    forksafe.close_fd(fd)  # the sender's copy; the received one holds the lock now
+    assert msg == b"x" and len(fds) == 1
+    (got,) = fds
+    try:
+        assert got in forksafe.tracked_fds()
+        assert not os.get_inheritable(got)
+        assert fcntl.fcntl(got, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.fstat(got)
+            except OSError:
+                os._exit(0)
+            os._exit(3)
+        assert _wait_exit(pid) == 0, "a forked child kept the received descriptor"
+        probe = os.open(path, os.O_RDWR)
+        try:
+            assert not try_lock(probe, exclusive=True)  # the parent's received copy holds it
+        finally:
+            os.close(probe)
+    finally:
+        forksafe.close_fd(got)
