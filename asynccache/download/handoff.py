@@ -31,7 +31,7 @@ exit (bounded).
 Linux only (abstract sockets, ``pidfd_open``); elsewhere nothing is handed over and the
 worker waits as before.
 
-Layer: stdlib, :mod:`asynccache.forksafe`, :mod:`asynccache.fsutil`.
+Layer: stdlib, :mod:`asynccache.forksafe`, :mod:`asynccache.fsutil`, :mod:`asynccache.cache.layout`.
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ import os
 import secrets
 import select
 import socket
+import struct
 import sys
 import threading
 import time
 
 from .. import forksafe
+from ..cache.layout import is_chunk_temp_name, temp_final_name
 from ..fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -133,15 +135,15 @@ class Keeper:
 
     def _receive(self, conn: socket.socket) -> None:
         conn.settimeout(ACK_S)
-        msg, fds, _, _ = socket.recv_fds(conn, _MAX_MSG, 256)
-        for fd in fds:
-            forksafe.track_fd(fd)
+        # Tracked as they arrive: each carries a flock a child forked now must not keep.
+        msg, fds = forksafe.recv_fds(conn, _MAX_MSG, 256, ACK_S)
         try:
             head = json.loads(msg)
             chunks = head["chunks"]
             if len(fds) != 2 * len(chunks):
                 raise ValueError(f"{len(fds)} descriptors for {len(chunks)} chunks")
             pid = int(head["pid"])
+            _check_sender(conn, pid, chunks)
         except BaseException:
             for fd in fds:
                 forksafe.close_fd(fd)
@@ -217,6 +219,29 @@ def wait_kept(timeout: float) -> bool:
     """Wait (bounded) for the publishes this process keeps; True when none is left."""
     k = _instance
     return k is None or k.pid != os.getpid() or k.wait(timeout)
+
+
+def _check_sender(conn: socket.socket, pid: int, chunks: list[dict[str, object]]) -> None:
+    """Refuse a message this process must not act on. An abstract socket has no file
+    permissions and its name is listed in /proc/net/unix, so any local process can
+    connect: the sender must run as this process's user and be the process it names
+    (its publishes are what the keeper may finish), and every path must be a temporary
+    file of the cache (``.<final>.<pid>.<hex>.tmp``) beside the chunk it becomes."""
+    cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    peer, uid, _ = struct.unpack("3i", cred)
+    if uid != os.geteuid() or peer != pid:
+        raise PermissionError(f"a hand-off from pid {peer} (uid {uid}) naming pid {pid}")
+    for c in chunks:
+        tmp, final = str(c["tmp"]), str(c["final"])
+        name = os.path.basename(tmp)
+        if (
+            os.path.dirname(tmp) != os.path.dirname(final)
+            or not is_chunk_temp_name(name)
+            or temp_final_name(name) != os.path.basename(final)
+        ):
+            raise PermissionError(
+                f"a hand-off of {tmp!r} as {final!r}: not a chunk's temporary file"
+            )
 
 
 def _pidfd(pid: int) -> int | None:

@@ -83,3 +83,39 @@ def test_keeper(tmp_path, then):  # type: ignore[no-untyped-def]
         assert try_lock(fd, exclusive=True)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("lie", ["pid", "path", "elsewhere"])
+def test_keeper_refuses_what_it_must_not_act_on(tmp_path, lie):  # type: ignore[no-untyped-def]
+    """Any local process can connect to an abstract socket: a hand-off naming another
+    process, or a file that is not a chunk's temporary file beside its final name, is
+    refused, and the keeper keeps none of its descriptors."""
+    keeper = handoff.keeper(30.0)
+    assert keeper is not None
+    tmp, final, lock = _files(tmp_path)
+    if lie == "path":
+        tmp = str(tmp_path / "notes.txt")
+    elif lie == "elsewhere":
+        final = str(tmp_path / "sub" / "chunk-0-0.bin")
+    pid = os.getpid() + (1 if lie == "pid" else 0)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    lfd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lfd, fcntl.LOCK_EX)
+    received = keeper.received
+    try:
+        assert not handoff.send(
+            address=keeper.address, pid=pid, items=[handoff.Handed(tmp, final, True, fd, lfd)]
+        )
+    finally:
+        os.close(fd)
+        os.close(lfd)
+    assert keeper.received == received
+    assert keeper.wait(5)
+    for path in (tmp, lock):  # no copy of the sender's descriptors left in the keeper
+        probe = os.open(path, os.O_RDWR)
+        try:
+            assert try_lock(probe, exclusive=True), f"the keeper kept {path}'s lock"
+        finally:
+            os.close(probe)
+    assert os.path.exists(tmp) and not os.path.exists(final)
