@@ -23,11 +23,8 @@ Layer: stdlib only; every other module may import it.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import os
-import select
-import socket
 import sys
 import threading
 import weakref
@@ -39,7 +36,6 @@ __all__ = [
     "close_fd",
     "dup_fd",
     "open_fd",
-    "recv_fds",
     "register",
     "track_fd",
     "tracked_fds",
@@ -188,7 +184,6 @@ def _close_copies_of(paths: Iterable[str | os.PathLike[str]]) -> None:
 
 
 _PROC_FD = "/proc/self/fd/"
-_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors close-on-exec
 # Flags kept when reopening through /proc/self/fd: the access mode and the file status
 # flags, never O_CREAT, O_EXCL or O_TRUNC.
 _REOPEN_FLAGS = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
@@ -210,34 +205,6 @@ def dup_fd(fd: int) -> int:
         new = os.dup(fd)
         _registry.fds.add(new)
     return new
-
-
-def recv_fds(
-    sock: socket.socket, bufsize: int, maxfds: int, timeout: float
-) -> tuple[bytes, list[int]]:
-    """One message and the descriptors passed with it (``SCM_RIGHTS``), tracked in the
-    same step like :func:`dup_fd`: a descriptor received carries the sender's flock, and a
-    child forked between its arrival and its tracking would keep that lock for its life.
-    Waits for the message (at most ``timeout`` seconds) without the registry mutex; the
-    receive itself, which then does not block, holds it.
-
-    Raises:
-        TimeoutError: no message within ``timeout``.
-        OSError: what the receive raises.
-    """
-    ready, _, _ = select.select([sock], [], [], timeout)
-    if not ready:
-        raise TimeoutError(f"no message within {timeout}s")
-    fds = array.array("i")
-    space = socket.CMSG_LEN(maxfds * fds.itemsize)
-    with _registry.mu:
-        # (socket.recv_fds drops its flags argument on some versions: recvmsg itself)
-        msg, ancdata, _, _ = sock.recvmsg(bufsize, space, socket.MSG_DONTWAIT | _CMSG_CLOEXEC)
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-        _registry.fds.update(fds)
-    return msg, list(fds)
 
 
 def untrack_fd(fd: int) -> None:

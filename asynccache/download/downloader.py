@@ -32,7 +32,6 @@ from ..errors import (
 )
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
-from . import handoff
 from .gate import PriorityGate, shared_gate
 from .link import endpoint_of, link_for, part_bytes_for, window_bytes
 from .parts import Span, fetch_range, split_parts
@@ -55,7 +54,6 @@ _SPLIT_MIN_BYTES = 1 << 20  # a straggler is split only if each half keeps at le
 _SPLIT_FIRST_BYTES = 8  # ... and only if what is left takes this many first-byte waits
 _AHEAD_FILES = 2  # temporary files made ahead for the window's next chunks (_make_ahead)
 _WRITEBACK_FLUSH_S = 5.0  # at close, the wait for early-writeback requests still queued
-_THREAD_FINISH_S = 60.0  # a cancelled publish's wait for its thread (as locks.in_thread's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +144,6 @@ class Downloader:
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
         self._publishing: set[asyncio.Task[str]] = set()  # handed out, publish under way
-        # Set in a DataLoader worker whose main process keeps publishes (handoff.py): the
-        # descriptors of each chunk publishing, duplicated for the hand-off, and the task.
-        self.hand_off_ready = False
-        self._handing: dict[str, tuple[handoff.Handed, asyncio.Task[str] | None]] = {}
         self._parts: dict[str, int] = {}  # parts not landed, per download in flight (_pump)
         self._runs: dict[str, _Run] = {}  # the parts of each download receiving (_split_idle)
         self._all = ProgressClock()  # moves with any download of this downloader
@@ -274,57 +268,6 @@ class Downloader:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
         return not self._publishing
-
-    def hand_off(self, address: str) -> bool:
-        """Hand the chunks this process reads whose publish is under way to the keeper at
-        ``address`` (:mod:`.handoff`), which finishes a publish this process does not;
-        True when nothing is left to wait for here (then :meth:`wait_published` does not
-        wait for them). False: nothing was handed over (wait as before)."""
-        if not self._publishing or self._lt.in_loop_thread():
-            return not self._publishing
-        try:
-            return bool(self._lt.call(self._hand_off(address), 2 * handoff.ACK_S))
-        except Exception:
-            log.debug("hand_off: I/O thread gone")
-            return False
-
-    async def _hand_off(self, address: str) -> bool:
-        # On the loop: no publish ends (closing the duplicates) while they are sent.
-        out = [(n, h, t) for n, (h, t) in self._handing.items() if t in self._publishing]
-        if len(out) != len(self._publishing):
-            return False  # one was adopted without duplicates: wait for it
-        if not handoff.send(address, os.getpid(), [h for _, h, _ in out]):
-            return False
-        for name, _, task in out:
-            self._publishing.discard(task)
-            self._drop_kept(name)
-        return True
-
-    def _keep_for_hand_off(
-        self, name: str, tmp: TempFile, lock: Any, me: asyncio.Task[str] | None
-    ) -> bool:
-        """Duplicate the descriptors of ``name``'s temporary file and download lock, for
-        a hand-off while its publish runs (closed by :meth:`_drop_kept`)."""
-        lock_fd = getattr(lock, "_fd", None)
-        if tmp.fd is None or lock_fd is None or me is None:
-            return False
-        self._handing[name] = (
-            handoff.Handed(
-                str(tmp.path),
-                str(tmp.final),
-                self.store.durable,
-                forksafe.dup_fd(tmp.fd),
-                forksafe.dup_fd(lock_fd),
-            ),
-            me,
-        )
-        return True
-
-    def _drop_kept(self, name: str) -> None:
-        kept = self._handing.pop(name, None)
-        if kept is not None:
-            forksafe.close_fd(kept[0].tmp_fd)
-            forksafe.close_fd(kept[0].lock_fd)
 
     def in_flight(self, name: str) -> bool:
         """A download of ``name`` runs now (a snapshot; safe from any thread)."""
@@ -548,8 +491,7 @@ class Downloader:
                 size = (await self.storage.head(spec.name)).size
             fetched = False  # counted once its callers could read it
             clock.quiet(self.store.lock_timeout_s)  # another process may be downloading it
-            lock = self.store.download_lock(spec.name)
-            async with lock:
+            async with self.store.download_lock(spec.name):
                 clock.resume()
                 if self.store.is_cached(spec.name, size):
                     return str(self.store.path(spec.name))  # another process published it
@@ -574,11 +516,8 @@ class Downloader:
                         me = asyncio.current_task()
                         served: list[str] = []  # the loop's part of an adoption, once done
                         loop = asyncio.get_running_loop()
-                        keep = self.hand_off_ready and self._keep_for_hand_off(
-                            spec.name, tmp, lock, me
-                        )
                         try:
-                            await (_in_daemon_thread if keep else in_thread)(
+                            await in_thread(
                                 _verify_and_publish,
                                 tmp,
                                 spec,
@@ -594,8 +533,6 @@ class Downloader:
                             served.append("")  # over: an adoption reported later is moot
                             if me is not None:
                                 self._publishing.discard(me)
-                            if keep:
-                                self._drop_kept(spec.name)
                         clock.resume()
                         break
                     except ChecksumMismatchError:
@@ -1157,35 +1094,6 @@ def _verify_and_publish(
         _publish_adopted(tmp, store, spec.name)
     else:
         tmp.publish()
-
-
-async def _in_daemon_thread(fn: Callable[..., None], *args: Any) -> None:
-    """:func:`.locks.in_thread` on a daemon thread of its own: a DataLoader worker whose
-    publishes its main process keeps (:mod:`.handoff`) exits without waiting for them."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def done(exc: BaseException | None) -> None:
-        if not fut.done():
-            if exc is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(exc)
-
-    def run() -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:
-            loop.call_soon_threadsafe(done, exc)
-        else:
-            loop.call_soon_threadsafe(done, None)
-
-    threading.Thread(target=run, name="asynccache-publish", daemon=True).start()
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut], timeout=_THREAD_FINISH_S)
-        raise
 
 
 def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:

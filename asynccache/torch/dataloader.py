@@ -16,9 +16,7 @@ from torch.utils.data._utils import signal_handling
 
 from ..cache.usage import scan
 from ..config import Settings
-from ..download import handoff
 from ..errors import ConfigError, ResumeStateError, WorkerStartError
-from ..source import DatasetSource
 from ..writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
@@ -182,20 +180,6 @@ def _join_started(
         f"within {bound:g} s (ASYNCCACHE_WORKER_START_S); the batches built in the main "
         "process were handed out, the rest of the epoch has no workers to come from"
     )
-
-
-def _keep_publishes(ds: Any, num_workers: int) -> None:
-    """Have this process keep the publishes its DataLoader workers leave at the end of
-    their iteration (download/handoff.py), so that they end it without waiting for the
-    fsync: set before the workers start, which inherit (or unpickle) the address."""
-    source = getattr(ds, "source", None)
-    if num_workers <= 0 or not isinstance(source, DatasetSource):  # (a mix: not yet)
-        return
-    if not source.remote or not ds.settings.durable:
-        return
-    keeper = handoff.keeper(ds.settings.timeout_s)
-    if keeper is not None:
-        ds.__dict__["_keeper"] = keeper.address
 
 
 def _shut_down(it: Iterator[Any]) -> None:
@@ -640,7 +624,6 @@ class CacheDataLoader(DataLoader[Any]):
         the DataLoader starts at the first batch."""
         ds = self._streaming()
         ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
-        _keep_publishes(ds, self.num_workers)
         loader = self._stream_loader
         if loader is None:
             self.batch_fallback = self._batch_fallback(ds)

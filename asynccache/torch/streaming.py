@@ -18,7 +18,6 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from .. import lifeline
 from ..batchread import ChunkForms, Form, Leaf, assemble_into
 from ..config import Settings
-from ..download import handoff
 from ..download.link import endpoint_of, link_for
 from ..errors import ConfigError, ResumeStateError
 from ..reader import Reader
@@ -412,18 +411,13 @@ class StreamingDataset(IterableDataset[Any]):
         table[row] = self._stats_base + np.array([float(getattr(st, f)) for f in _STAT_FIELDS])
 
     def _settle(self) -> None:
-        """At the end of a DataLoader worker's iteration: the publishes of chunks it read
-        before their publish ended must not be lost. torch ends a worker that has not
-        exited 5 s after the epoch (with exit status 0), and a chunk whose fsync ran past
-        that was lost to the cache (docs/streaming.md, "Statistics"). Where the main
-        process keeps publishes (a CacheDataLoader's, ``_keeper``), they are handed to it
-        and the iteration ends at once (download/handoff.py); otherwise, or if the
-        hand-off fails, wait for them (bounded by ``timeout_s``; past it, a warning)."""
+        """At the end of a DataLoader worker's iteration: wait (bounded by ``timeout_s``)
+        for the publishes of chunks it read before their publish ended. Its exit would
+        wait for them too, but torch ends a worker that has not exited 5 s after the
+        epoch (with exit status 0), and a chunk whose fsync ran past that was lost to the
+        cache (docs/streaming.md, "Statistics"). Past the bound, a warning says so."""
         if get_worker_info() is None or not self.source.remote:
             return
-        keeper = self.__dict__.get("_keeper")
-        if keeper is not None and self.source.downloader().hand_off(keeper):
-            return  # the main process finishes what is left (download/handoff.py)
         if not self.source.wait_published():
             log.warning(
                 "%s: chunk publishes still running %gs after this DataLoader worker's "
@@ -494,9 +488,6 @@ class StreamingDataset(IterableDataset[Any]):
             # watches instead of this loader's process: end with the real one.
             lifeline.exit_with_parent()
             self._sync()
-            if self.__dict__.get("_keeper") is not None and self.source.remote:
-                # Publishes left at the end go to the main process (download/handoff.py).
-                self.source.downloader().hand_off_ready = True
         pending, self._pending = self._pending, None
         if pending is not None:  # a worker's own state, loaded by a stateful DataLoader
             self._progress, self._skip = pending
@@ -1191,8 +1182,6 @@ class StreamingDataset(IterableDataset[Any]):
         """
         self._reader.close()
         self.source.close()
-        if self.__dict__.get("_keeper") is not None:  # what its workers handed over
-            handoff.wait_kept(self.settings.timeout_s)
 
     def __enter__(self) -> StreamingDataset:
         return self
