@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,7 +27,11 @@ __all__ = ["FileLock", "in_thread", "open_lock_file", "try_lock", "wait_lock"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 _THREAD_FINISH_S = 60.0
+# A wait for another holder's lock this long is said in the log, with the holder's pid.
+_WARN_AFTER_S = 30.0
 
 
 async def in_thread(
@@ -105,17 +110,58 @@ async def wait_lock(fd: int, exclusive: bool, timeout: float, what: str) -> None
 
     thread = threading.Thread(target=block, name="asynccache-flock", daemon=True)
     thread.start()
+    holders = ""
     try:
-        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        start = loop.time()
+        if timeout > _WARN_AFTER_S:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), _WARN_AFTER_S)
+            except asyncio.TimeoutError:
+                holders = _holders(fd)
+                log.warning(
+                    "waiting %gs so far for the lock on %s, %s; giving up after %gs",
+                    _WARN_AFTER_S,
+                    what,
+                    holders,
+                    timeout,
+                )
+        if not fut.done():
+            await asyncio.wait_for(asyncio.shield(fut), max(timeout - (loop.time() - start), 0))
     except BaseException as exc:
+        if isinstance(exc, asyncio.TimeoutError) and not holders:
+            holders = _holders(fd)  # (fd is open until the state changes below)
         with mu:
             if state[0] == "waiting":
                 state[0] = "abandoned"  # the thread closes fd once it wakes
             else:
                 forksafe.close_fd(fd)
         if isinstance(exc, asyncio.TimeoutError):
-            raise CacheError(f"waited {timeout}s for the lock on {what}") from exc
+            raise CacheError(f"waited {timeout}s for the lock on {what}, {holders}") from exc
         raise
+
+
+def _holders(fd: int) -> str:
+    """Who holds a flock on ``fd``'s file, as far as ``/proc/locks`` says (Linux): the
+    pids that took the locks (a process that inherited such a descriptor holds it too)."""
+    try:
+        st = os.fstat(fd)
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        pids = []
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters: "->")
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+                    pids.append(parts[4])
+    except (OSError, ValueError):
+        return "held by another process"
+    if not pids:
+        return "held by another process"
+    return (
+        "held by pid "
+        + ", ".join(dict.fromkeys(pids))
+        + " (or a process that inherited its descriptor)"
+    )
 
 
 def open_lock_file(path: str, ensure_dir: Callable[[], None] | None = None) -> int:
