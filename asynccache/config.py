@@ -72,6 +72,9 @@ class Settings:
     progress: bool = True
     verify_tls: bool = True
     durable: bool = True
+    # Durable: fsync each chunk before its publish even where the file system keeps the
+    # chunk's boot stamp, which makes that fsync unneeded (docs/cache.md, "Boot stamps").
+    fsync_publish: bool = False
     # The most starting a CacheDataLoader's DataLoader workers may take while the first
     # batches built in the main process are handed out: a fork is milliseconds, spawn
     # and forkserver import torch in fresh interpreters (WorkerStartError past it).

@@ -229,7 +229,11 @@ class DatasetSource:
         with self._mu:
             if conn.downloader is None:
                 store = ChunkStore.for_dataset(
-                    self.settings, self.url, self._cache_identity(), durable=self.settings.durable
+                    self.settings,
+                    self.url,
+                    self._cache_identity(),
+                    durable=self.settings.durable,
+                    stamps=not self.settings.fsync_publish,
                 )
                 conn.attach(store, Downloader(conn.storage, store, self.settings))
             assert conn.downloader is not None

@@ -10,8 +10,10 @@ Layout::
         .locks/.asynccache-dataset      marker: this directory belongs to the cache
         .locks/chunk-0-1.bin.lock       the chunk's download lock (flock, empty file)
 
-A published name is only ever created by ``os.replace`` of a complete, verified, fsynced
-temporary file, so a reader never sees a partial chunk, even after a crash.
+A published name is only ever created by ``os.replace`` of a complete, verified temporary
+file, so a reader never sees a partial chunk, even after a crash. Across a power loss a
+durable store relies on the file's boot stamp (:mod:`.stamp`: checked again in a later
+boot) or, where the file system keeps no stamp, on an fsync before the rename.
 
 The process that downloaded a chunk may read it before it is published (while the fsync
 runs): its store holds a duplicate of the temporary file's descriptor and hands its own
@@ -39,6 +41,7 @@ from pathlib import Path
 from .. import forksafe
 from ..errors import CacheError, DiskFullError
 from ..fsutil import fsync_dir
+from . import stamp as stamps
 from .locks import try_lock
 
 __all__ = [
@@ -177,13 +180,17 @@ class TempFile:
           its copy at once and this object forgets it there, so only the writer's own
           process keeps the file "alive" (and, once published, held shared).
         * :meth:`publish` makes the final name appear complete or not at all
-          (fsync, then ``os.replace``, then fsync of the directory).
+          (``os.replace``). Durable: stamped with the boot first (:mod:`.stamp`), or,
+          where no stamp can be written, fsynced before and its directory after.
         * After :meth:`publish` or :meth:`discard` the descriptor is closed.
 
     Args:
         final: the published name.
         size: bytes to preallocate.
-        durable: fsync the file and its directory around the rename.
+        durable: a power loss must not leave the name over bytes nobody checks again:
+            the file is stamped with ``stamp`` before the rename or, without one (or
+            where the file system refuses it), fsynced, and its directory after.
+        stamp: this boot's id (:func:`.stamp.boot_id`), or None to fsync.
         allocate: preallocate now; False leaves the file empty until :meth:`allocate`
             (a reservation creates it before taking the eviction lock, and preallocates
             it after letting the lock go).
@@ -201,12 +208,14 @@ class TempFile:
         size: int,
         *,
         durable: bool = True,
+        stamp: bytes | None = None,
         ensure_dir: Callable[[], None] | None = None,
         allocate: bool = True,
     ) -> None:
         self.final = final
         self.size = size
         self.durable = durable
+        self.stamp = stamp
         self.fd: int | None = None
         directory = final.parent
         rebuilt = ensure_dir is None
@@ -275,8 +284,14 @@ class TempFile:
         except OSError as exc:
             raise cache_error(exc, self.final.parent) from exc
 
+    @property
+    def fsyncs(self) -> bool:
+        """:meth:`publish` will fsync (durable, and no boot stamp to rely on)."""
+        return self.durable and self.stamp is None
+
     def publish(self) -> None:
-        """Flush the file and rename it to its final name, atomically."""
+        """Rename the file to its final name, atomically; durable, stamp it with the boot
+        first or, failing that, fsync it (see :mod:`.stamp`)."""
         assert self.fd is not None
         try:
             # Preallocation gave the file its size already. A truncate to the same size
@@ -284,13 +299,16 @@ class TempFile:
             # which waits for a commit in flight): only a file written past it needs one.
             if os.fstat(self.fd).st_size != self.size:
                 os.ftruncate(self.fd, self.size)
-            if self.durable:
+            synced = False
+            if self.durable and (self.stamp is None or not stamps.mark(self.fd, self.stamp)):
                 os.fsync(self.fd)
+                synced = True
+                stamps.mark(self.fd, stamps.SYNCED)  # trusted in later boots, where kept
             # Downgrade rather than drop the lock: the file stays "alive" for sweepers, and
             # once renamed it is held shared (like a pin) until the descriptor closes.
             fcntl.flock(self.fd, fcntl.LOCK_SH)
             os.replace(self.path, self.final)
-            if self.durable:
+            if synced:
                 fsync_dir(self.final.parent)
         except OSError as exc:
             self.discard()

@@ -9,15 +9,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import forksafe
 from ..config import Settings
 from ..errors import CacheError, DiskFullError
+from . import stamp as _stamps
 from . import usage
 from .eviction import Entry, select_victims
 from .layout import (
+    DATASET_MARKER,
     LOCK_DIR,
     TempFile,
     dataset_dir,
@@ -47,6 +50,9 @@ class ChunkStore:
 
     Invariants:
         * A file under its chunk name is complete and verified (see :mod:`.layout`).
+          Durable with stamps (:attr:`stamp`): it is served unchecked only when stamped
+          in this boot or known on the disk; any other is checked again first
+          (:meth:`restamp`), see :mod:`.stamp`.
         * The store reads, counts and removes only what the cache created: dataset
           directories holding the marker, and in them chunk and temporary names.
         * A pinned chunk is never evicted: a pin holds a shared flock on the file, and the
@@ -89,8 +95,12 @@ class ChunkStore:
         cache_dir: the directory whose total size the budget bounds (``root``'s parent).
         max_cache_bytes: the budget.
         lock_timeout_s: the bound on waiting for another process's download lock.
-        durable: fsync each chunk (and its directory) before and after publishing it, so
-            a power loss cannot leave a published name over unwritten blocks.
+        durable: a power loss must not leave a chunk that is served unchecked over
+            unwritten blocks: each chunk is stamped with the boot it was verified in
+            (:mod:`.stamp`), and a chunk from an earlier boot is checked again before its
+            first use (:meth:`restamp`); where no stamp can be written, or with ``stamps``
+            False, each chunk (and its directory) is fsynced around its publish instead.
+        stamps: rely on boot stamps where the file system keeps them (durable only).
     """
 
     def __init__(
@@ -101,6 +111,7 @@ class ChunkStore:
         cache_dir: str | os.PathLike[str] | None = None,
         lock_timeout_s: float = 600.0,
         durable: bool = True,
+        stamps: bool = True,
     ) -> None:
         self.root = Path(root)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else self.root.parent
@@ -117,6 +128,10 @@ class ChunkStore:
         self._demands = 0  # reservations (not made ahead) waiting for the eviction mutex
         self._closed = False
         self._ensure_layout()
+        # This boot's id when chunks are stamped rather than fsynced (see .stamp).
+        self.stamp: bytes | None = (
+            _stamps.probe(self.root / DATASET_MARKER) if durable and stamps else None
+        )
         forksafe.register(self)
         swept = sweep_orphans(self.root)
         if swept:
@@ -157,12 +172,59 @@ class ChunkStore:
         return str(self.root / LOCK_DIR / f"{name}.lock")
 
     def is_cached(self, name: str, size: int | None = None) -> bool:
-        """True when ``name`` is published (and has ``size`` bytes, when given)."""
+        """True when ``name`` is published (and has ``size`` bytes, when given), and may be
+        served unchecked (its stamp trusted, see :mod:`.stamp`)."""
+        path = self.path(name)
         try:
-            st = os.stat(self.path(name))
+            st = os.stat(path)
+            if size is not None and st.st_size != size:
+                return False
+            return self.stamp is None or _stamps.trusted(_stamps.read(path), self.stamp)
         except FileNotFoundError:
             return False
-        return size is None or st.st_size == size
+
+    def restamp(self, name: str, size: int, check: Callable[[int, int], bool]) -> bool:
+        """Check again a published chunk not trusted as it is (stamped in an earlier boot,
+        or never): ``check(fd, size)`` recomputes its checksum. True when it may be served
+        now (it matched and is stamped again, or another process did that meanwhile);
+        False when it is missing, has another size, is being removed, or does not match
+        (the caller downloads it again, and the publish replaces it). Call it holding the
+        chunk's download lock. Blocks (reads the file): not on the I/O thread.
+
+        A chunk stamped in an earlier boot was not written since, so the bytes just read
+        came from the disk: it is stamped :data:`.stamp.SYNCED`. One never stamped may
+        have been written in this boot without a stamp: it gets this boot's.
+        """
+        boot = self.stamp
+        if boot is None:
+            return self.is_cached(name, size)
+        path = self.path(name)
+        try:
+            fd = forksafe.open_fd(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            # Shared, like a pin: an evictor removing it now makes this a miss.
+            if not try_lock(fd, exclusive=False):
+                return False
+            st = os.fstat(fd)
+            if st.st_ino != os.stat(path).st_ino or st.st_size != size:
+                return False
+            old = _stamps.read(fd)
+            if _stamps.trusted(old, boot):
+                return True
+            if not check(fd, size):
+                log.warning(
+                    "asynccache: %s does not match its checksum (written before a restart "
+                    "that lost it?): fetching it again",
+                    path,
+                )
+                return False
+            return _stamps.mark(fd, _stamps.SYNCED if old is not None else boot)
+        except FileNotFoundError:
+            return False
+        finally:
+            forksafe.close_fd(fd)
 
     # -- pins ----------------------------------------------------------------------------
     def pin(self, name: str) -> str | None:
@@ -196,6 +258,11 @@ class ChunkStore:
                     return None
                 # The evictor may have unlinked the file between our open and our lock.
                 if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                    forksafe.close_fd(fd)
+                    return None
+                # Not trusted as it is (an earlier boot's, see .stamp): a miss, which the
+                # download path checks again (restamp) before fetching anything.
+                if self.stamp is not None and not _stamps.trusted(_stamps.read(fd), self.stamp):
                     forksafe.close_fd(fd)
                     return None
             except FileNotFoundError:
@@ -283,7 +350,13 @@ class ChunkStore:
 
         Does not reserve space: :meth:`reserve` is the way for downloads.
         """
-        return TempFile(self.path(name), size, durable=self.durable, ensure_dir=self._ensure_layout)
+        return TempFile(
+            self.path(name),
+            size,
+            durable=self.durable,
+            stamp=self.stamp,
+            ensure_dir=self._ensure_layout,
+        )
 
     # -- eviction ------------------------------------------------------------------------
     async def reserve(self, name: str, size: int, *, ahead: bool = False) -> TempFile:
@@ -390,6 +463,7 @@ class ChunkStore:
             self.path(name),
             size,
             durable=self.durable,
+            stamp=self.stamp,
             ensure_dir=self._ensure_layout,
             allocate=False,
         )

@@ -82,8 +82,13 @@ class Downloader:
           before the publish's fsync: the store holds the chunk for this process's pins
           (:meth:`.ChunkStore.adopt`) while the publish goes on in a worker thread; the
           download (its lock, its statistics) ends after the publish, so other processes
-          still wait for the published name. Durable stores on systems with
-          ``/proc/self/fd`` only; elsewhere ``early`` waits for the publish.
+          still wait for the published name. Chunks fsynced at publish (see
+          :mod:`asynccache.cache.stamp`) on systems with ``/proc/self/fd`` only;
+          elsewhere ``early`` waits for the publish, which is then short.
+        * A published chunk the store does not trust as it is (from an earlier boot) is
+          checked against its checksum under its download lock before anything is
+          fetched (:meth:`.ChunkStore.restamp`); only one that does not match is
+          downloaded again.
         * Every wait is bounded: per-attempt stall timeout (no byte for ``timeout_s``, or
           under ``min_bytes_per_s`` over that window), retry budget, lock-wait bound. A
           sync waiter (:meth:`wait`) is bounded by progress, not by a total: it gives up
@@ -495,6 +500,8 @@ class Downloader:
                 clock.resume()
                 if self.store.is_cached(spec.name, size):
                     return str(self.store.path(spec.name))  # another process published it
+                if await self._restamped(spec, size):
+                    return str(self.store.path(spec.name))  # here from an earlier boot
                 for round_ in (1, 2):
                     clock.quiet(self.store.lock_timeout_s)  # may wait for another evictor
                     tmp = await self._take_ahead(spec.name, size) if round_ == 1 else None
@@ -555,6 +562,21 @@ class Downloader:
             return str(self.store.path(spec.name))
         finally:
             self.stats.finished()
+
+    async def _restamped(self, spec: ChunkSpec, size: int) -> bool:
+        """A published copy of ``spec`` not trusted as it is (stamped in an earlier boot,
+        or never: see :mod:`asynccache.cache.stamp`) matched its checksum and may be
+        served; False to download it (nothing to check, or it did not match)."""
+        if self.store.stamp is None or not spec.checksum:
+            return False
+        if not os.path.exists(self.store.path(spec.name)):  # noqa: ASYNC240 - one stat
+            return False
+        ok = await in_thread(
+            self.store.restamp, spec.name, size, functools.partial(_matches, spec.checksum)
+        )
+        if ok:
+            self.stats.restamped += 1
+        return ok
 
     def _adopted(self, name: str, me: asyncio.Task[str] | None, served: list[str]) -> None:
         """On the loop, once the store adopted ``name`` verified (see
@@ -1089,11 +1111,18 @@ def _verify_and_publish(
     is called (it schedules the loop's part: handing the path out) before
     :func:`_publish_adopted`."""
     _verify_fd(tmp, spec, url, hashed)
-    if store.durable and store.adopt(spec.name, tmp):
+    if not spec.checksum:
+        tmp.stamp = None  # nothing to check it against in a later boot: fsync it
+    if tmp.fsyncs and store.adopt(spec.name, tmp):
         adopted()
         _publish_adopted(tmp, store, spec.name)
     else:
         tmp.publish()
+
+
+def _matches(checksum: str, fd: int, size: int) -> bool:
+    """The file ``fd`` of ``size`` bytes has the xxh3_64 ``checksum``."""
+    return file_checksum(fd, size) == checksum.lower()
 
 
 def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:

@@ -220,8 +220,8 @@ class _PartSink:
         self.pos = span.cursor
         self.first_at = 0.0  # when the first bytes landed
         self.after_first = self.pos  # where the bytes after the first piece begin
-        # Durable chunks are fsynced at publish: start writing them back as they arrive.
-        self.flushed = self.pos if out.durable and out.fd is not None else None
+        # Chunks fsynced at publish: start writing them back as they arrive.
+        self.flushed = self.pos if out.fsyncs and out.fd is not None else None
 
     def write(self, data: bytes | memoryview, /) -> bool:
         n = len(data)

@@ -26,6 +26,7 @@ class DownloadStats:
     range_gets: int = 0  # range requests for items wanted before their chunk landed
     range_bytes: int = 0  # their bytes (held in memory, never cached)
     splits: int = 0  # parts whose rest went to a request of its own (a straggler split)
+    restamped: int = 0  # chunks of an earlier boot checked again and kept (cache/stamp.py)
     wait_s: float = 0.0
     busy_s: float = 0.0
     peak_inflight: int = 0

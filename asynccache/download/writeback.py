@@ -1,6 +1,8 @@
 """Start the kernel's writeback of a byte range early, so the fsync at publish is short.
 
-A durable chunk is fsynced before its name appears (see :mod:`asynccache.cache.layout`).
+A chunk fsynced before its name appears (a durable store where no boot stamp can be
+written, or ``ASYNCCACHE_FSYNC_PUBLISH=1``: see :mod:`asynccache.cache.stamp`) is asked
+for this; a stamped chunk is left to the kernel.
 Left alone, the kernel starts writing a file's dirty pages back only under memory pressure
 or after ~30 s, so that fsync finds the whole chunk dirty and waits for all of it: the disk
 and the network then take turns instead of overlapping. Asking for writeback of each range

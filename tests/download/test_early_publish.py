@@ -68,6 +68,7 @@ def _settings(tmp_path: Path, **kw) -> Settings:
         timeout_s=10.0,
         prefetch_chunks=0,
         durable=True,
+        fsync_publish=True,  # read before the publish ends: only a publish that fsyncs
     )
     base.update(kw)
     return Settings(**base)

@@ -64,7 +64,7 @@ def _epoch(url, objstore, tmp_path, monkeypatch):  # type: ignore[no-untyped-def
         url,
         cache_dir=cache,
         storage_options=objstore.storage_options,
-        settings=Settings.from_env(progress=False, durable=True),
+        settings=Settings.from_env(progress=False, durable=True, fsync_publish=True),
     )
     names = sorted(c.filename for c in ds.index.chunks)
     marks = tmp_path / "publishes"
