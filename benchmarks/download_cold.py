@@ -7,14 +7,15 @@ requests in flight, in the same run:
 * (i-b) raw GET into files: the same loop writing each object into a file with ``pwrite``
   as pieces arrive (no checksum, no fsync): the limit of a cache on this box;
 * asynccache: ``prefetch_dataset`` into a fresh cache dir (write, xxh3_64 verification,
-  atomic publish), durable (fsync, the default) and not (``ASYNCCACHE_DURABLE=0``), for
+  atomic publish), durable (the default: each chunk stamped with the boot, no fsync;
+  with ``ASYNCCACHE_FSYNC_PUBLISH=1`` each fsynced) and not (``ASYNCCACHE_DURABLE=0``), for
   each receive path in ``--receive`` (``ASYNCCACHE_RECEIVE``: ``direct``, our own HTTP/1.1
   receiver, or ``aiohttp``), each in the same repetition.
 
 Reported per chunk size: wall-time ratios to (i-b) and (i), and client CPU seconds (this
 process, ``getrusage``) as a ratio to (i-b)'s, median (min-max) of ``--reps``, each ratio
 computed within one repetition. The object store's CPU is shown for reference. A durable
-cache must also get every byte onto the disk, which (i-b) never does: the same bytes
+cache that fsyncs must also get every byte onto the disk, which (i-b) never does: the same bytes
 written to new files and fsynced (no network, same threads) is measured too, and the
 durable figure is also given against the slower of (i-b) and that disk limit.
 
@@ -106,6 +107,7 @@ def _ours(storage, settings, specs, work: Path, tag: str, durable: bool, store_p
         dataset_dir(cache, "s3://bench-data/ds", tag),
         max_cache_bytes=settings.max_cache_bytes,
         durable=durable,
+        stamps=not settings.fsync_publish,
     )
     with limits.CpuClock(store_pid) as clock:
         t0 = time.perf_counter()

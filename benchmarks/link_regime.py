@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import tempfile
@@ -248,11 +249,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--bare-part-mib", type=int, default=8)
     ap.add_argument("--skip-epoch", action="store_true")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        help="more settings to run beside the defaults in every repetition, each "
+        "NAME=VALUE[,NAME=VALUE] in ASYNCCACHE_ names without the prefix (HEAD_START=1)",
+    )
     args = ap.parse_args()
     base = Settings.from_env(progress=False)
     configs = {"defaults": base}
     for mib in args.part_mib:
         configs[f"part {mib} MiB"] = Settings.from_env(progress=False, part_bytes=mib << 20)
+    for variant in args.variants:
+        pairs = (item.split("=", 1) for item in variant.split(","))
+        env = {**os.environ, **{f"ASYNCCACHE_{k.upper()}": v for k, v in pairs}}
+        configs[variant] = Settings.from_env(env, progress=False)
     links = [Link("loopback", 0.0, 0), *map(_parse_link, args.links)]
     c_pre = base.max_concurrency
     c_epoch = args.workers * base.max_concurrency
