@@ -9,6 +9,7 @@ power loss that lost a chunk's blocks by zeroing part of it.
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stamp_support import read_everything
 
 from asynccache.cache import stamp
 from asynccache.cache.layout import is_chunk_name, is_temp_name
@@ -215,6 +217,33 @@ def test_a_chunk_whose_blocks_a_power_loss_lost_is_fetched_again(tmp_path, origi
     assert set(_chunk_gets(origin)) == {name}
     assert stamp.read(p) == stamp.boot_id()  # the new copy, this boot's
     assert any("does not match its checksum" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_processes_starting_together_check_each_chunk_once(tmp_path, origin, method) -> None:
+    # Three processes of one node start on a cache of an earlier boot at the same moment:
+    # each chunk is checked once (under its download lock), by one of them, and no
+    # process fetches or serves anything else.
+    cache = tmp_path / "cache"
+    chunks = _fill(origin, cache)
+    for p in chunks.values():
+        os.setxattr(p, stamp.ATTR, EARLIER)
+    origin.requests.clear()
+    ctx = multiprocessing.get_context(method)
+    go, out = ctx.Event(), ctx.Queue()
+    args = (origin.url, str(cache), PER_CHUNK * CHUNKS, PER_CHUNK, ITEM, go, out)
+    procs = [ctx.Process(target=read_everything, args=args, daemon=True) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    go.set()
+    results = [out.get(timeout=90) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert all(isinstance(r, int) for r in results), results
+    assert sum(results) == CHUNKS
+    assert _chunk_gets(origin) == []
+    assert {stamp.read(p) for p in chunks.values()} == {stamp.SYNCED}
 
 
 # What a chunk may look like after a restart: (its stamp, its bytes damaged). A chunk
