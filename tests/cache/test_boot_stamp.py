@@ -179,8 +179,8 @@ def test_where_no_stamp_can_be_written_each_chunk_is_fsynced(tmp_path, origin, m
     assert {stamp.read(p) for p in chunks.values()} == {None}
     origin.requests.clear()
     with DatasetSource(origin.url, settings=_settings(tmp_path / "cache")) as src:
-        assert src.store is None or src.store.stamp is None
         _read_all(src)  # trusted as they are: fsynced
+        assert src.store is not None and src.store.stamp is None  # the refusal was seen
         assert src.stats.restamped == 0
     assert _chunk_gets(origin) == []
 
