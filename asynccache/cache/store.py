@@ -199,16 +199,12 @@ class ChunkStore:
         if boot is None:
             return self.is_cached(name, size)
         path = self.path(name)
-        try:
-            fd = forksafe.open_fd(path, os.O_RDONLY)
-        except FileNotFoundError:
+        # Shared, like a pin: an evictor removing it now makes this a miss.
+        fd = _open_locked(str(path), exclusive=False)
+        if fd is None:
             return False
         try:
-            # Shared, like a pin: an evictor removing it now makes this a miss.
-            if not try_lock(fd, exclusive=False):
-                return False
-            st = os.fstat(fd)
-            if st.st_ino != os.stat(path).st_ino or st.st_size != size:
+            if os.fstat(fd).st_size != size:
                 return False
             old = _stamps.read(fd)
             if _stamps.trusted(old, boot):
@@ -915,17 +911,29 @@ def _touch(path: str) -> None:
         os.utime(path)
 
 
-def _remove_if_unlocked(path: str) -> bool:
-    """Unlink ``path`` if nobody pins it; the exclusive non-blocking flock decides."""
+def _open_locked(path: str, *, exclusive: bool) -> int | None:
+    """A descriptor of ``path`` holding a flock taken without blocking (tracked by
+    :mod:`asynccache.forksafe`; the caller closes it), or None when the file is gone, the
+    lock is held elsewhere, or the name went to another file meanwhile."""
     try:
         fd = forksafe.open_fd(path, os.O_RDONLY)
     except FileNotFoundError:
+        return None
+    try:
+        if try_lock(fd, exclusive=exclusive) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            return fd
+    except FileNotFoundError:
+        pass
+    forksafe.close_fd(fd)
+    return None
+
+
+def _remove_if_unlocked(path: str) -> bool:
+    """Unlink ``path`` if nobody pins it; the exclusive non-blocking flock decides."""
+    fd = _open_locked(path, exclusive=True)
+    if fd is None:
         return False
     try:
-        if not try_lock(fd, exclusive=True):
-            return False
-        if os.stat(path).st_ino != os.fstat(fd).st_ino:
-            return False
         os.unlink(path)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return True

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from asynccache.cache.layout import is_chunk_name, is_temp_name
 from asynccache.config import Settings
 from asynccache.reader import Reader
 from asynccache.source import DatasetSource
+from asynccache.testing.httpserver import StaticHTTPServer
 from tests.helpers import noise_item, write_noise_dataset
 
 ITEM = 4096
@@ -53,28 +55,12 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def origin(tmp_path_factory, http_origin_module):
+def origin(tmp_path_factory) -> Iterator[StaticHTTPServer]:
     src = write_noise_dataset(
         tmp_path_factory.mktemp("src") / "data", PER_CHUNK * CHUNKS, PER_CHUNK, ITEM
     )
-    return http_origin_module(src)
-
-
-@pytest.fixture(scope="module")
-def http_origin_module():
-    from asynccache.testing.httpserver import StaticHTTPServer
-
-    started: list[StaticHTTPServer] = []
-
-    def start(directory):
-        server = StaticHTTPServer(directory)
-        server.start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
+    with StaticHTTPServer(src) as server:
+        yield server
 
 
 def _settings(cache: Path, **kw) -> Settings:
