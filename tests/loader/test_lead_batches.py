@@ -84,6 +84,56 @@ def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(remote, 
     ds.close()
 
 
+# -- a small last chunk -----------------------------------------------------------------
+SMALL_N = N + 2  # the last chunk holds 2 items (160 KiB): under the 1 MiB of range reads
+
+
+@pytest.fixture(scope="module")
+def small_tail(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
+    src = tmp_path_factory.mktemp("leadtail") / "src"
+    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
+    for i in range(SMALL_N):
+        w.add(i, _item(i))
+    w.finish()
+    merge_dir(str(src), [0])
+    bucket = f"leadtail-{uuid.uuid4().hex[:12]}"
+    objstore.create_bucket(bucket)
+    yield upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
+    with contextlib.suppress(Exception):
+        objstore.delete_bucket(bucket)
+
+
+def test_a_shuffled_first_batch_drawing_from_a_small_chunk_is_built_here(
+    small_tail, objstore, tmp_path
+) -> None:
+    # A chunk under 1 MiB is downloaded whole rather than read by range; a shuffled first
+    # batch that drew one of its items used not to be built in the main process at all
+    # (it would have downloaded that chunk there), and came from a worker instead.
+    settings = Settings.from_env(progress=False)
+    drew_small = 0
+    for seed in range(12):
+        ds = StreamingDataset(
+            small_tail,
+            cache_dir=tmp_path / f"c{seed}",
+            storage_options=objstore.storage_options,
+            settings=settings,
+            shuffle=True,
+            seed=seed,
+            shuffle_window=2,
+        )
+        it = iter(CacheDataLoader(ds, batch_size=BS, num_workers=2))
+        batch = next(it)
+        del it
+        built_here = ds._led
+        ds.close()
+        first = batch["i"].tolist()
+        drew_small += any(i >= N for i in first)
+        assert built_here == 1, (seed, first)
+        for k, row in zip(first, batch["x"], strict=True):
+            assert np.array_equal(row.numpy(), _item(k)["x"])
+    assert drew_small > 0, "no first batch drew from the small chunk: the test proves nothing"
+
+
 # -- a mix: its first batches built here from cached chunks ------------------------------
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
