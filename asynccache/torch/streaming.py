@@ -793,8 +793,13 @@ class StreamingDataset(IterableDataset[Any]):
         self._reader.set_range_budget(self.source.first_read_bytes * len(runs))
         # The dataset's small last chunk comes whole here: without it a shuffled first
         # batch that drew one of its items was not built here at all, and came from a
-        # worker 0.3-0.4 s later (2 of 14 cold starts of 512 MiB).
-        if self._reader.fetches_no_chunk(*self.index.locate_many(keys), small_tail=True):
+        # worker 0.3-0.4 s later (2 of 14 cold starts of 512 MiB). Only when the whole
+        # dataset fits the budget: this process follows no plan, and its reservation
+        # would evict by recency (as for the head start).
+        tail = self.source.remote and int(self.index.bytes_per_chunk.sum()) <= int(
+            self.settings.max_cache_bytes
+        )
+        if self._reader.fetches_no_chunk(*self.index.locate_many(keys), small_tail=tail):
             return True
         self._reader.set_range_budget(self.source.first_read_bytes)
         return False
