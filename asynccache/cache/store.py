@@ -346,13 +346,7 @@ class ChunkStore:
 
         Does not reserve space: :meth:`reserve` is the way for downloads.
         """
-        return TempFile(
-            self.path(name),
-            size,
-            durable=self.durable,
-            stamp=self.stamp,
-            ensure_dir=self._ensure_layout,
-        )
+        return self._create(name, size, allocate=True)
 
     # -- eviction ------------------------------------------------------------------------
     async def reserve(self, name: str, size: int, *, ahead: bool = False) -> TempFile:
@@ -453,15 +447,16 @@ class ChunkStore:
             tmp.discard()
             raise
 
-    def _create(self, name: str, size: int) -> TempFile:
-        """The temporary file of ``name``, created and locked, not preallocated."""
+    def _create(self, name: str, size: int, *, allocate: bool = False) -> TempFile:
+        """The temporary file of ``name``, created and locked (preallocated with
+        ``allocate``), publishing as this store does (durable, its boot stamp)."""
         return TempFile(
             self.path(name),
             size,
             durable=self.durable,
             stamp=self.stamp,
             ensure_dir=self._ensure_layout,
-            allocate=False,
+            allocate=allocate,
         )
 
     def _full(self, size: int) -> DiskFullError:

@@ -37,19 +37,25 @@ def _item(i: int) -> dict[str, Any]:
     return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
 
 
-@pytest.fixture(scope="module")
-def remote(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
-    src = tmp_path_factory.mktemp("lead2") / "src"
+def _uploaded(tmp_path_factory: pytest.TempPathFactory, objstore: Any, tag: str, n: int) -> Any:
+    """Items ``_item(0..n-1)`` in chunks of PER_CHUNK, in a bucket of their own (removed
+    after the module)."""
+    src = tmp_path_factory.mktemp(tag) / "src"
     w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
-    for i in range(N):
+    for i in range(n):
         w.add(i, _item(i))
     w.finish()
     merge_dir(str(src), [0])
-    bucket = f"lead2-{uuid.uuid4().hex[:12]}"
+    bucket = f"{tag}-{uuid.uuid4().hex[:12]}"
     objstore.create_bucket(bucket)
     yield upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
     with contextlib.suppress(Exception):
         objstore.delete_bucket(bucket)
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
+    yield from _uploaded(tmp_path_factory, objstore, "lead2", N)
 
 
 def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(remote, objstore, tmp_path):
@@ -90,17 +96,7 @@ SMALL_N = N + 2  # the last chunk holds 2 items (160 KiB): under the 1 MiB of ra
 
 @pytest.fixture(scope="module")
 def small_tail(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
-    src = tmp_path_factory.mktemp("leadtail") / "src"
-    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
-    for i in range(SMALL_N):
-        w.add(i, _item(i))
-    w.finish()
-    merge_dir(str(src), [0])
-    bucket = f"leadtail-{uuid.uuid4().hex[:12]}"
-    objstore.create_bucket(bucket)
-    yield upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
-    with contextlib.suppress(Exception):
-        objstore.delete_bucket(bucket)
+    yield from _uploaded(tmp_path_factory, objstore, "leadtail", SMALL_N)
 
 
 def test_a_shuffled_first_batch_drawing_from_a_small_chunk_is_built_here(
