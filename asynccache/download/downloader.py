@@ -649,7 +649,7 @@ class Downloader:
         chunk entirely); later parts arrive out of order, so the rest of a multi-part
         chunk is hashed from the file afterwards (see :func:`_verify_fd`).
         """
-        part = part_bytes_for(self.settings, self._link, self._bytes_ahead(key, size))
+        part = part_bytes_for(self.settings, self._link, self._bytes_ahead(key, size), size)
         spans = [Span(start, end) for start, end in split_parts(size, part)]
         if key in self._parts:
             self._parts[key] = len(spans)
@@ -889,13 +889,6 @@ class Downloader:
         if self._deferred:
             return  # the node's prefetch room is full (see _defer)
         # The window in parts, not only chunks: a prefetch starts when its parts fit in
-        # the concurrency limit beside those of the downloads in flight. Started all at
-        # once, the window's chunks queued their parts behind each other and every slot
-        # a part freed went to a later chunk, whose parts then shared the link with the
-        # earlier chunk's last ones: the chunks landed together, late, the reader waited
-        # for the first, and the downloads stopped once the window was in (a cold epoch
-        # ran in waves; docs/cache.md, "Where a cold epoch's time goes").
-        # The window in parts, not only chunks: a prefetch starts when its parts fit in
         # the concurrency limit beside the parts not landed of the downloads in flight
         # (each part counts until it lands, not until its whole chunk does). Started all
         # at once, the window's chunks queued their parts behind each other and every
@@ -905,6 +898,8 @@ class Downloader:
         # of room for its parts, a chunk holds its lock while they wait, and another
         # process reading it waits too: a chunk one worker needs a few items of came
         # after that worker's own chunks, and the worker it belonged to waited for it.
+        # Whole chunks fit only if their part counts tile the connections: the part size
+        # is chosen so that they do (link.tile_part_bytes).
         busy = sum(self._parts.get(name, 1) for name in self._inflight)
         for spec in self._window():
             if spec.name in self._inflight or self.store.is_cached(spec.name, spec.size):
@@ -954,7 +949,7 @@ class Downloader:
         before the download gets to its parts)."""
         if not size:
             return 1
-        part = part_bytes_for(self.settings, self._link, self._ahead(name, size))
+        part = part_bytes_for(self.settings, self._link, self._ahead(name, size), size)
         return len(split_parts(size, part))
 
     def _waited_needs_slots(self) -> bool:

@@ -26,6 +26,7 @@ from asynccache.download.link import (
     endpoint_of,
     link_for,
     part_bytes_for,
+    tile_part_bytes,
 )
 from asynccache.download.ranges import read_range
 from asynccache.download.retry import RetryPolicy
@@ -123,6 +124,49 @@ def test_choice_grows_with_the_wait_and_rate_and_shrinks_with_concurrency(
     assert part(ttfb * more, rate, conc) >= base
     assert part(ttfb, rate * more, conc) >= base
     assert part(ttfb, rate, conc * 2) <= base
+
+
+def test_parts_are_tiled_to_the_connections() -> None:
+    # 64 MiB in 10 MiB parts is 7 parts: two chunks on 14 of 16 connections. 8 MiB parts
+    # run two chunks on all 16.
+    assert tile_part_bytes(10 * MiB, 64 * MiB, 16) == 8 * MiB
+    assert tile_part_bytes(10 * MiB, 67_016_767, 16) == 8 * MiB  # a chunk as written
+    # 7 MiB parts make 10: one chunk at a time, 6 connections idle; 16 parts of 4 MiB.
+    assert tile_part_bytes(7 * MiB, 64 * MiB, 16) == 4 * MiB
+    # More parts than connections: a whole number of rounds (22 parts -> 32 of 2 MiB).
+    assert tile_part_bytes(3 * MiB, 64 * MiB, 16) == 2 * MiB
+    # Already tiled, one part, one connection, or nothing to split: unchanged.
+    assert tile_part_bytes(8 * MiB, 64 * MiB, 16) == 8 * MiB
+    assert tile_part_bytes(64 * MiB, 64 * MiB, 16) == 64 * MiB
+    assert tile_part_bytes(10 * MiB, 64 * MiB, 1) == 10 * MiB
+    assert tile_part_bytes(10 * MiB, 0, 16) == 10 * MiB
+    # Never below the lower bound: 9 parts of 2 MiB stay 9, not 16 of 1.1 MiB.
+    assert tile_part_bytes(2 * MiB, 17 * MiB, 16) == 2 * MiB
+
+
+def _idle(parts: int, conc: int) -> int:
+    """Connections idle while chunks of ``parts`` parts each run as the downloader starts
+    them (whole chunks that fit together; past ``conc`` parts, the last round's gap)."""
+    if parts <= conc:
+        return conc - conc // parts * parts
+    return -(-parts // conc) * conc - parts
+
+
+@given(
+    part=st.integers(1, 64).map(lambda m: m * MiB),
+    size=st.integers(1, 1 << 31),
+    conc=st.integers(1, 64),
+)
+def test_tiling_never_grows_a_part_nor_idles_more_connections(part, size, conc):
+    b = PartBounds()
+    tiled = tile_part_bytes(part, size, conc)
+    assert tiled <= part and tiled % b.align == 0
+    assert tiled >= min(part, b.lo)
+    before, after = -(-size // part), -(-size // tiled)
+    assert after >= before
+    assert _idle(after, conc) <= _idle(before, conc)
+    if before <= conc:  # the same number of chunks run together
+        assert conc // after == conc // before
 
 
 def test_bad_part_bounds_are_a_config_error() -> None:
@@ -255,6 +299,45 @@ def test_part_size_follows_the_link(tmp_path, lt, http_origin, chunks) -> None:
     _two_rounds(tmp_path / "c", lt, origin.url, data)
     direct = link_for(origin.url)
     assert direct.observed >= 6 and _wanted(origin.url) < _wanted(slow_start.url)
+
+
+def test_a_chunk_goes_out_in_as_many_parts_as_connections(tmp_path, lt, http_origin) -> None:
+    """12 MiB chunks, 4 connections, parts starting at 5 MiB: untiled, 3 parts (5, 5 and
+    2 MiB) and one connection idle; tiled, 4 parts of 3 MiB, every connection busy."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = make_chunks(src, [12 * MiB] * 2, seed=23)
+    names = sorted(data)
+    settings = Settings.from_env(
+        {},
+        cache_dir=str(tmp_path / "cache"),
+        max_concurrency=4,
+        prefetch_chunks=2,
+        part_bytes=5 * MiB,
+        adaptive_parts=True,
+        retries=1,
+        progress=False,
+    )
+    with FaultProxy(http_origin(src).url) as proxy:
+        storage = open_storage(proxy.url, settings)
+        lt.register_closer(storage.close)
+        store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=1 << 30)
+        dl = Downloader(storage, store, settings, loop_thread=lt)
+        try:
+            dl.hint(ChunkSpec(n, len(data[n][0]), data[n][1]) for n in names)
+            futs = {n: dl.ensure(n, len(data[n][0]), data[n][1]) for n in names}
+            for name, fut in futs.items():
+                with open(fut.result(30), "rb") as f:
+                    assert f.read() == data[name][0], name
+        finally:
+            dl.close()
+        ranges: dict[str, list[str]] = {}
+        for r in proxy.requests:
+            if r.method == "GET" and r.range:
+                ranges.setdefault(r.path.rsplit("/", 1)[-1], []).append(r.range)
+    part = 3 * MiB
+    want = [f"bytes={i * part}-{(i + 1) * part - 1}" for i in range(4)]
+    assert {name: sorted(got) for name, got in ranges.items()} == {n: want for n in names}
 
 
 def test_endpoint_is_the_s3_endpoint_or_the_url_host() -> None:
