@@ -31,6 +31,7 @@ from .cache.store import ChunkStore
 from .config import Settings
 from .download.connection import Connection
 from .download.downloader import ChunkSpec, Downloader
+from .download.link import LinkEstimate, endpoint_of, link_for
 from .download.retry import RetryPolicy
 from .download.stats import DownloadStats
 from .errors import (
@@ -500,6 +501,14 @@ class DatasetSource:
         """The local chunk store of this process, once a chunk was asked for (else None)."""
         conn = self._live()
         return conn.store if conn is not None else None
+
+    @property
+    def link(self) -> LinkEstimate | None:
+        """What this process has measured of the storage's link (see
+        :mod:`asynccache.download.link`); None while no connection is open here, and for a
+        local dataset. Never opens one."""
+        conn = self._live()
+        return link_for(endpoint_of(conn.storage)) if conn is not None else None
 
     @property
     def stats(self) -> DownloadStats:

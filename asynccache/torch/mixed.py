@@ -564,6 +564,9 @@ class MixedDataset(StreamingDataset):
                 return False
         return True
 
+    def _far_link(self) -> bool:
+        return False  # (its first batches come from cached chunks: nothing to wait on)
+
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Nothing to read ahead: the batches come from cached chunks."""
 

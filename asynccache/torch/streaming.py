@@ -50,6 +50,11 @@ _LEAD_BATCHES = 2
 # two 64 MiB chunks) a worker's wait for the main process's fsync cost more than it saved.
 _HEAD_MIN_S = 1.0
 _HEAD_MIN_TTFB_S = 0.01  # ... or, with no rate measured yet, where a first byte takes this
+# A link is far when its first byte takes at least this long, as this process measured it
+# (the index's column sidecar, the first batches' range reads): there the first batches
+# built in the main process wait on the network, not on the CPU, and the DataLoader's
+# workers are started beside them at once (see dataloader._led).
+_FAR_TTFB_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -823,6 +828,14 @@ class StreamingDataset(IterableDataset[Any]):
         else:
             chunks = set(self.index.locate_many(keys)[0].tolist())
         return all(self.source.landed(c) for c in chunks)
+
+    def _far_link(self) -> bool:
+        """This process has measured a first byte of this dataset's storage at
+        ``_FAR_TTFB_S`` or longer (its least wait; False before any, and for a local
+        dataset). Safe from any thread; opens nothing."""
+        link = self.source.link
+        ttfb = link.ttfb_s if link is not None else None
+        return ttfb is not None and ttfb >= _FAR_TTFB_S
 
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Before the first of ``runs`` is built: read every run's items by range in

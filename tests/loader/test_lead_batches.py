@@ -159,3 +159,63 @@ def test_a_mix_s_first_batches_built_here_are_the_plain_runs(streams):
     assert ds._lead_batches >= 1 and again_ds._lead_batches == 2
     assert f == pf and state == pstate and r == pr
     assert len(f) + len(r) == sum(ds.stream_counts)
+
+
+# -- the workers' start -------------------------------------------------------------------
+def _start_order(ds: StreamingDataset, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run one epoch of ``ds`` with 2 workers; the order in which the lead batches were
+    built ("built") and the workers' DataLoader was started ("workers"). The workers'
+    start waits for the built batches a minute, not 0.15 s: only the link can cut it short.
+    """
+    from torch.utils.data import DataLoader
+
+    from asynccache.torch import dataloader
+
+    monkeypatch.setattr(dataloader, "_START_AFTER_S", 60.0)
+    events: list[str] = []
+    build, start = StreamingDataset._lead_batch, DataLoader.__iter__
+
+    def built(self: StreamingDataset, keys: Any) -> Any:
+        out = build(self, keys)
+        events.append("built")
+        return out
+
+    def started(self: DataLoader, *a: Any, **kw: Any) -> Any:
+        events.append("workers")
+        return start(self, *a, **kw)
+
+    monkeypatch.setattr(StreamingDataset, "_lead_batch", built)
+    monkeypatch.setattr(DataLoader, "__iter__", started)
+    got = [int(i) for b in CacheDataLoader(ds, batch_size=BS, num_workers=2) for i in b["i"]]
+    assert sorted(got) == list(range(N))
+    return events
+
+
+def test_workers_start_beside_the_first_batches_on_a_far_link(
+    remote, objstore, tmp_path, monkeypatch
+) -> None:
+    settings = Settings.from_env(progress=False)
+    # Near (loopback): the first byte in milliseconds, the batches are built on this CPU,
+    # and the workers fork after them (a fork holds the interpreter lock).
+    near = StreamingDataset(
+        remote,
+        cache_dir=tmp_path / "near",
+        storage_options=objstore.storage_options,
+        settings=settings,
+    )
+    assert not near._far_link()
+    assert _start_order(near, monkeypatch) == ["built", "built", "workers"]
+    assert near._lead_batches == 2
+    near.close()
+    # Far (200 ms to every first byte, measured already on the index's column sidecar):
+    # the batches wait on the network, and the workers start beside them at once.
+    with FaultProxy(objstore.endpoint_url, latency_s=0.2) as proxy:
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        far = StreamingDataset(
+            remote, cache_dir=tmp_path / "far", storage_options=options, settings=settings
+        )
+        assert far._far_link()
+        assert _start_order(far, monkeypatch) == ["workers", "built", "built"]
+        assert far._lead_batches == 2
+        assert proxy.link_fired("latency") > 0
+        far.close()
