@@ -224,7 +224,14 @@ def whole_batches(runs: ReaderRuns, batch_size: int) -> ReaderRuns:
     assembling whole batches holds every chunk of a batch at once, and may ask for them in
     any order. Each run is widened to the batches it touches (``[k * batch_size,
     ...)`` of the reader's positions), and a chunk's runs that then overlap become one.
-    (A reader of single items holds less: this keeps a little more than it needs.)"""
+    (A reader of single items holds less: this keeps a little more than it needs.)
+
+    Runs that start in the same batch stay in the order their chunks are first read
+    (their unwidened starts), not in chunk order: the hint follows this order, and the
+    downloader drops from its queue the chunks hinted before the one asked for. Ordered
+    by chunk, a shuffled window's first batch (chunks 14, 12, 0, 11 as read) was hinted
+    0, 11, 12, 14: 0 and 11 took every connection, the reader waited for 14, and asking
+    for it dropped 12 from the queue until the reader asked for it too."""
     n = len(runs.chunks)
     if batch_size <= 1 or n == 0:
         return runs
@@ -242,7 +249,8 @@ def whole_batches(runs: ReaderRuns, batch_size: int) -> ReaderRuns:
     first = np.flatnonzero(new)
     last = np.append(first[1:], n) - 1
     out_c, out_s, out_e = c[first], st[first], reach[last]
-    by_start = np.argsort(out_s, kind="stable")
+    read_from = runs.starts[order][first]  # each merged run's first position, unwidened
+    by_start = np.lexsort((read_from, out_s))
     return ReaderRuns(out_c[by_start], out_s[by_start], out_e[by_start], runs.length)
 
 

@@ -15,6 +15,7 @@ the defaults, and prints from the proxy's log:
   GETs run, and after the last byte.
 
     python benchmarks/link_timeline.py [--total-mb 256] [--chunk-mb 64] [--links 20:4 50:8]
+        [--shuffle] [--list]
 """
 
 from __future__ import annotations
@@ -59,12 +60,22 @@ def _open_at(gets: list[tuple[float, float, float, str, str, int]], t: float) ->
 
 
 def _epoch(
-    served: Any, endpoint: str, settings: Settings, cache: Path, batch: int, workers: int
+    served: Any,
+    endpoint: str,
+    settings: Settings,
+    cache: Path,
+    batch: int,
+    workers: int,
+    shuffle: bool = False,
 ) -> tuple[float, float, float]:
     shutil.rmtree(cache, ignore_errors=True)
     t0 = time.monotonic()
     ds = StreamingDataset(
-        served.url, cache_dir=cache, storage_options=_options(served, endpoint), settings=settings
+        served.url,
+        cache_dir=cache,
+        storage_options=_options(served, endpoint),
+        settings=settings,
+        shuffle=shuffle,
     )
     loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
     first, items = 0.0, 0
@@ -90,6 +101,7 @@ def main() -> None:
     ap.add_argument("--bare-part-mib", type=int, default=8)
     ap.add_argument("--step-ms", type=int, default=100)
     ap.add_argument("--list", action="store_true", help="print every GET")
+    ap.add_argument("--shuffle", action="store_true", help="a shuffled epoch (seed 0)")
     args = ap.parse_args()
     settings = Settings.from_env(progress=False)
     conc = args.workers * settings.max_concurrency
@@ -138,7 +150,9 @@ def _one(
     b0 = min(a for a, *_ in bare)
     bare = [(a - b0, f - b0, e - b0, *rest) for a, f, e, *rest in bare]
     seen = len(proxy.records())
-    t0, first, end = _epoch(served, proxy.url, settings, work / "cache", args.batch, args.workers)
+    t0, first, end = _epoch(
+        served, proxy.url, settings, work / "cache", args.batch, args.workers, args.shuffle
+    )
     ep = _gets(proxy.records()[seen:], t0)
     last = max(e for *_, e, _, _, _ in [(a, f, e, c, r, p) for a, f, e, c, r, p in ep])
     print(

@@ -48,3 +48,28 @@ def test_whole_batches_widens_each_run_to_its_batches_and_merges_a_chunks_overla
         assert have == want
         assert got.starts.tolist() == sorted(got.starts.tolist())
         assert got.length == length
+
+
+def test_whole_batches_keep_the_chunks_of_a_batch_in_the_order_they_are_read():
+    # A shuffled window's first batch reads chunks 14, 12, 0 and 11, in that order: the
+    # widened runs all start at position 0, and the hint must still name 14 first.
+    runs = ReaderRuns(
+        np.array([14, 12, 0, 11, 3]),
+        np.array([0, 1, 5, 9, 70]),
+        np.array([60, 62, 63, 64, 90]),
+        100,
+    )
+    got = whole_batches(runs, 64)
+    assert got.chunks.tolist() == [14, 12, 0, 11, 3]
+    assert got.starts.tolist() == [0, 0, 0, 0, 64]
+    rng = np.random.default_rng(5)
+    for _ in range(50):  # random runs: within a batch start, by first position read
+        n, length, bs = int(rng.integers(1, 30)), 200, int(rng.integers(2, 20))
+        starts = np.sort(rng.integers(0, length - 1, n))
+        ends = np.minimum(starts + rng.integers(1, 30, n), length)
+        chunks = rng.permutation(64)[:n]  # each chunk once: nothing merges
+        got = whole_batches(ReaderRuns(chunks, starts, ends, length), bs)
+        first = dict(zip(chunks.tolist(), starts.tolist(), strict=True))
+        pairs = zip(got.chunks.tolist(), got.starts.tolist(), strict=True)
+        keys = [(s, first[c]) for c, s in pairs]
+        assert keys == sorted(keys)
