@@ -121,7 +121,8 @@ def tile_part_bytes(
     its time; a smaller part costs one more first-byte wait per part, at most doubled.
 
     Never larger than ``part``; aligned up and clamped to ``bounds`` as parts are (the
-    alignment may leave one part fewer, never more).
+    alignment and the bounds may leave fewer parts than the tiled count, never fewer
+    than ``part`` makes).
     """
     if size <= 0 or concurrency <= 1 or part <= 0:
         return part

@@ -833,8 +833,11 @@ class StreamingDataset(IterableDataset[Any]):
         """This process has measured a first byte of this dataset's storage at
         ``_FAR_TTFB_S`` or longer (its least wait; False before any, and for a local
         dataset). Safe from any thread; opens nothing."""
-        link = self.source.link
-        ttfb = link.ttfb_s if link is not None else None
+        try:
+            link = self.source.link
+            ttfb = link.ttfb_s if link is not None else None
+        except Exception:  # (asked from the thread that starts the workers: never raise)
+            return False
         return ttfb is not None and ttfb >= _FAR_TTFB_S
 
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
