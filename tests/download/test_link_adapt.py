@@ -220,6 +220,15 @@ def chunks(tmp_path_factory):
     return src, make_chunks(src, [CHUNK] * 4, seed=17)
 
 
+def _fetch_together(dl: Downloader, chunks: dict, names: list[str]) -> None:
+    """Hint ``names`` together, ask for each, and check every byte that arrived."""
+    dl.hint(ChunkSpec(n, len(chunks[n][0]), chunks[n][1]) for n in names)
+    futs = {n: dl.ensure(n, len(chunks[n][0]), chunks[n][1]) for n in names}
+    for name, fut in futs.items():
+        with open(fut.result(30), "rb") as f:
+            assert f.read() == chunks[name][0], name
+
+
 def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> int:
     """Fetch chunks 0-1 together (nothing known of the link yet), then 2-3 (with what
     round one measured); every byte is checked. Returns the part size the estimate
@@ -243,11 +252,7 @@ def _two_rounds(tmp_path, lt, url: str, chunks: dict) -> int:
         for names in (["chunk-0-0.bin", "chunk-0-1.bin"], ["chunk-0-2.bin", "chunk-0-3.bin"]):
             if not called_for and names[0] == "chunk-0-2.bin":
                 called_for = part_bytes_for(settings, link_for(url), CHUNK * len(names))
-            dl.hint(ChunkSpec(n, len(chunks[n][0]), chunks[n][1]) for n in names)  # together
-            futs = {n: dl.ensure(n, len(chunks[n][0]), chunks[n][1]) for n in names}
-            for name, fut in futs.items():
-                with open(fut.result(30), "rb") as f:
-                    assert f.read() == chunks[name][0], name
+            _fetch_together(dl, chunks, names)
     finally:
         dl.close()
     return called_for
@@ -324,11 +329,7 @@ def test_a_chunk_goes_out_in_as_many_parts_as_connections(tmp_path, lt, http_ori
         store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=1 << 30)
         dl = Downloader(storage, store, settings, loop_thread=lt)
         try:
-            dl.hint(ChunkSpec(n, len(data[n][0]), data[n][1]) for n in names)
-            futs = {n: dl.ensure(n, len(data[n][0]), data[n][1]) for n in names}
-            for name, fut in futs.items():
-                with open(fut.result(30), "rb") as f:
-                    assert f.read() == data[name][0], name
+            _fetch_together(dl, data, names)
         finally:
             dl.close()
         ranges: dict[str, list[str]] = {}
