@@ -763,9 +763,9 @@ class StreamingDataset(IterableDataset[Any]):
             return
         if getattr(self, "streams", None) is not None:
             return  # a mix: each stream's source follows a plan of its own
-        dl = self.source.downloader()
-        if int(self.index.bytes_per_chunk.sum()) > dl.store.max_cache_bytes:
+        if not self._fits_cache():
             return
+        dl = self.source.downloader()
         # Only what this process's connections carry at once (each a part of the start
         # size): a chunk started later here would find a worker downloading it already.
         room = self.settings.max_concurrency * self.settings.part_bytes
@@ -801,9 +801,7 @@ class StreamingDataset(IterableDataset[Any]):
         # worker 0.3-0.4 s later (2 of 14 cold starts of 512 MiB). Only when the whole
         # dataset fits the budget: this process follows no plan, and its reservation
         # would evict by recency (as for the head start).
-        tail = self.source.remote and int(self.index.bytes_per_chunk.sum()) <= int(
-            self.settings.max_cache_bytes
-        )
+        tail = self.source.remote and self._fits_cache()
         if self._reader.fetches_no_chunk(*self.index.locate_many(keys), small_tail=tail):
             return True
         self._reader.set_range_budget(self.source.first_read_bytes)
@@ -828,6 +826,12 @@ class StreamingDataset(IterableDataset[Any]):
         else:
             chunks = set(self.index.locate_many(keys)[0].tolist())
         return all(self.source.landed(c) for c in chunks)
+
+    def _fits_cache(self) -> bool:
+        """The whole dataset fits this node's cache budget (the store's: the setting, or
+        less where the file system holds less). Remote datasets only."""
+        store = self.source.downloader().store
+        return int(self.index.bytes_per_chunk.sum()) <= store.max_cache_bytes
 
     def _far_link(self) -> bool:
         """This process has measured a first byte of this dataset's storage at
