@@ -35,9 +35,9 @@ from .errors import (
     WriteConflictError,
 )
 from .optimize import OptimizeResult, optimize
-from .prefetch import prefetch
-from .tokens import TokenBlocks
-from .upload import UploadSummary, upload
+from .read.prefetch import prefetch
+from .read.token_blocks import TokenBlocks
+from .write.upload import UploadSummary, upload
 
 if typing.TYPE_CHECKING:
     from .torch.cache import Cache, CacheNotFilledError

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
+from .cache.indexfile import read_path, write_dir
 from .errors import AsyncCacheError, ConfigError, DataError, ObjectNotFoundError
 from .format import INDEX_NAME
 from .format.columns import sidecar_name
 from .format.index import VERSION as INDEX_VERSION
 from .format.index import VERSION_COLUMNS as INDEX_VERSION_COLUMNS
-from .indexfile import read_path, write_dir
 
 __all__ = ["main"]
 
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .source import DatasetSource, is_remote, local_dir
+    from .read.source import DatasetSource, is_remote, local_dir
 
     if not is_remote(args.url):
         _require_index(local_dir(args.url))
@@ -89,8 +89,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .reader import Reader, map_chunk
-    from .source import is_remote, local_dir
+    from .read.reader import Reader, map_chunk
+    from .read.source import is_remote, local_dir
 
     if is_remote(args.dir):
         raise ConfigError(
@@ -128,7 +128,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _reindex(args: argparse.Namespace) -> int:
-    from .source import is_remote, local_dir
+    from .read.source import is_remote, local_dir
 
     if is_remote(args.dir):
         raise ConfigError(
@@ -151,7 +151,7 @@ def _reindex(args: argparse.Namespace) -> int:
 
 
 def _upload(args: argparse.Namespace) -> int:
-    from .upload import upload
+    from .write.upload import upload
 
     s = upload(args.dir, args.url, _storage_options(args.storage_option))
     print(
@@ -162,8 +162,8 @@ def _upload(args: argparse.Namespace) -> int:
 
 
 def _prefetch(args: argparse.Namespace) -> int:
-    from .prefetch import prefetch
-    from .source import is_remote
+    from .read.prefetch import prefetch
+    from .read.source import is_remote
 
     if not is_remote(args.url):
         _require_index(args.url.removeprefix("file://"))
@@ -257,7 +257,7 @@ def _cache_dirs(args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]]:
 
     cache_dir = args.cache_dir or Settings.from_env().cache_dir
     if args.dataset is not None:
-        from .source import DatasetSource
+        from .read.source import DatasetSource
 
         src = DatasetSource(
             args.dataset,

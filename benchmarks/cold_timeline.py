@@ -48,13 +48,13 @@ import streaming_epoch as se
 import asynccache.cache.layout as layoutmod
 import asynccache.download.downloader as dlmod
 import asynccache.download.writeback as wbmod
-import asynccache.source as sourcemod
+import asynccache.read.source as sourcemod
 from asynccache import Settings
 from asynccache.cache.layout import TempFile
 from asynccache.cache.locks import FileLock
 from asynccache.cache.store import ChunkStore
-from asynccache.readplan import ReadPlan
-from asynccache.source import DatasetSource
+from asynccache.read.readplan import ReadPlan
+from asynccache.read.source import DatasetSource
 from asynccache.testing import ObjectStore
 from asynccache.torch.streaming import StreamingDataset
 

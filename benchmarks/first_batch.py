@@ -60,7 +60,7 @@ from yarl import URL
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
 from asynccache.format.chunk import header_offsets, items_start
-from asynccache.reader import _COALESCE_GAP, _RANGE_BYTES, _coalesce
+from asynccache.read.reader import _COALESCE_GAP, _RANGE_BYTES, _coalesce
 from asynccache.testing import ObjectStore
 
 

@@ -33,8 +33,8 @@ import torch.utils.data.dataloader as dlmod
 from streaming_epoch import serve
 
 import asynccache.download.downloader as dlmodule
-import asynccache.reader as readermod
-import asynccache.source as sourcemod
+import asynccache.read.reader as readermod
+import asynccache.read.source as sourcemod
 import asynccache.storage.s3 as s3mod
 import asynccache.torch.streaming as smod
 from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch

@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from asynccache import indexfile
+from asynccache.cache import indexfile
 from asynccache.format import ChunkEntry, Index
 from asynccache.format.columns import from_lists
 
@@ -200,8 +200,8 @@ def fmt(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
 # -- end to end ---------------------------------------------------------------------------
 def e2e_child(url: str, options: str, cache_dir: str, seed: int) -> None:
     from asynccache.config import Settings
-    from asynccache.reader import Reader
-    from asynccache.source import DatasetSource
+    from asynccache.read.reader import Reader
+    from asynccache.read.source import DatasetSource
 
     before = pss_kib("Pss_Anon")
     t0 = time.perf_counter()
@@ -227,8 +227,8 @@ def end_to_end(chunks: int, root: str) -> list[str]:
     from asynccache.config import Settings
     from asynccache.testing import ObjectStore
     from asynccache.testing.faults import FaultProxy
-    from asynccache.upload import upload
-    from asynccache.writer import ChunkWriter, merge_dir
+    from asynccache.write.upload import upload
+    from asynccache.write.writer import ChunkWriter, merge_dir
 
     src = os.path.join(root, "e2e")
     w = ChunkWriter(src, 0, chunk_size=1)

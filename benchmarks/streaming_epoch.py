@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, upload
 from asynccache.testing import ObjectStore
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 BUCKET = "bench"
 PREFIX = "ds"

@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, TokenBlocks, upload
 from asynccache.testing import ObjectStore
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 BUCKET = "bench-tokens"
 MAX_DOC = 8192

@@ -13,8 +13,8 @@ import numpy as np
 from asynccache.config import Settings
 from asynccache.format import Index
 from asynccache.testing.faults import RequestRecord
-from asynccache.upload import upload
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.upload import upload
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 ITEM_BYTES = 1000
 CHUNK_BYTES = 16 << 10

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from asynccache.testing import ObjectStore
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 from tests.remote_data import upload_dataset
 
 

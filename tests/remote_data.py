@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from asynccache.config import Settings
-from asynccache.upload import upload
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.upload import upload
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 
 def item(i: int) -> dict[str, Any]:

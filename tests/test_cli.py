@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import asynccache
+from asynccache.cache.indexfile import read_dir
 from asynccache.cli import main
-from asynccache.indexfile import read_dir
 from asynccache.testing import ObjectStore
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ import threading
 import pytest
 from torch.utils.data import DataLoader
 
-from asynccache.prefetch import prefetch
+from asynccache.read.prefetch import prefetch
 from asynccache.testing.faults import Fault, FaultProxy
 from asynccache.torch.streaming import StreamingDataset
 from tests.fork_read_children import read_all, take_locks

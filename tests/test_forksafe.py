@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from asynccache import forksafe
+from asynccache.bridge import forksafe
 from asynccache.cache.locks import try_lock
 
 _BOUND_S = 20.0

@@ -13,11 +13,11 @@ import shutil
 import numpy as np
 import pytest
 
+from asynccache.cache.indexfile import read_dir
 from asynccache.config import Settings
 from asynccache.errors import AsyncCacheError
 from asynccache.format import Index
-from asynccache.indexfile import read_dir
-from asynccache.source import DatasetSource
+from asynccache.read.source import DatasetSource
 from asynccache.testing.faults import Fault, FaultProxy
 from tests.remote_data import write_dataset
 
@@ -46,7 +46,7 @@ def _settings(tmp_path, retries: int = 2) -> Settings:
 
 
 def test_both_forms_give_identical_epochs_and_items(both, tmp_path) -> None:
-    from asynccache import StreamingDataset  # (torch: not in the spawned children)
+    from asynccache import StreamingDataset
 
     v1, v2 = both
     got = {}

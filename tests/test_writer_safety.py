@@ -19,7 +19,7 @@ from asynccache.errors import CacheError, TruncatedChunkError, WriteConflictErro
 from asynccache.torch.cache import Cache
 from asynccache.torch.dataloader import CacheDataLoader
 from asynccache.torch.writepass import wait_for_index
-from asynccache.writelock import LOCK_NAME, WriteLock, is_held
+from asynccache.write.writelock import LOCK_NAME, WriteLock, is_held
 from tests.loader.datasets import DictDataset
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .. import forksafe
+from ..bridge import forksafe
 from .layout import LOCK_DIR
 
 __all__ = ["Board", "board_path"]

@@ -22,7 +22,7 @@ readers :func:`reopen_path` of it, a name that reaches that inode whatever the r
 
 The cache touches only what it created: directories holding the marker, and in them only
 chunk names (:func:`is_chunk_name`) and our temporary names (:func:`is_temp_name`).
-Every descriptor that may carry a flock is tracked by :mod:`asynccache.forksafe`, so a
+Every descriptor that may carry a flock is tracked by :mod:`asynccache.bridge.forksafe`, so a
 forked child never keeps a lock of its parent alive.
 """
 
@@ -38,10 +38,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import forksafe
+from ..bridge import forksafe
 from ..errors import CacheError, DiskFullError
-from ..fsutil import fsync_dir
 from . import stamp as stamps
+from .fsutil import fsync_dir
 from .locks import try_lock
 
 __all__ = [
@@ -176,7 +176,7 @@ class TempFile:
     Invariants:
         * While this object is open its writer holds a flock on the file, so a sweeper
           that can lock a temporary file exclusively knows its writer is dead.
-        * The descriptor is tracked by :mod:`asynccache.forksafe`: a forked child closes
+        * The descriptor is tracked by :mod:`asynccache.bridge.forksafe`: a forked child closes
           its copy at once and this object forgets it there, so only the writer's own
           process keeps the file "alive" (and, once published, held shared).
         * :meth:`publish` makes the final name appear complete or not at all

@@ -4,7 +4,7 @@ No refcount files and no shared memory: a crashed process leaves nothing to clea
 temporary files, which are recognised as orphans because nobody holds their lock.
 
 A flock belongs to the open file description, so every descriptor here is tracked by
-:mod:`asynccache.forksafe` from the moment it is opened: a forked child closes its copy
+:mod:`asynccache.bridge.forksafe` from the moment it is opened: a forked child closes its copy
 at once and never keeps the parent's lock alive.
 """
 
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import forksafe
+from ..bridge import forksafe
 from ..errors import CacheError
 
 __all__ = ["FileLock", "in_thread", "open_lock_file", "try_lock", "wait_lock"]
@@ -195,7 +195,7 @@ class FileLock:
     Invariants:
         * The descriptor is open exactly while the lock is held; a failed or cancelled
           acquire leaves nothing open (see :func:`wait_lock`).
-        * It is tracked by :mod:`asynccache.forksafe`, also while a helper thread waits
+        * It is tracked by :mod:`asynccache.bridge.forksafe`, also while a helper thread waits
           on it: a forked child closes its copy and this object forgets it there.
 
     Args:

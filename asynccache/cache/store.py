@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import forksafe
+from ..bridge import forksafe
 from ..config import Settings
 from ..errors import CacheError, DiskFullError
 from . import stamp as _stamps
@@ -78,7 +78,7 @@ class ChunkStore:
           shared, like any pin), and :meth:`pin` returns a path reaching that inode
           (:func:`.layout.reopen_path`) until the publish succeeds. Other processes and
           eviction see only published names.
-        * Fork: every descriptor carrying a flock is tracked by :mod:`asynccache.forksafe`;
+        * Fork: every descriptor carrying a flock is tracked by :mod:`asynccache.bridge.forksafe`;
           a forked child starts with no pins and fresh mutexes, and the parent's pins and
           locks stay in force, held by the parent alone.
         * A layout deleted underneath (``rm -rf`` of the dataset or cache directory) is
@@ -287,7 +287,7 @@ class ChunkStore:
         """Pin ``name`` through ``tmp``, complete and verified but not published yet, so
         this process's readers may map it while :meth:`TempFile.publish` runs.
 
-        Holds a duplicate of ``tmp``'s descriptor (tracked by :mod:`asynccache.forksafe`:
+        Holds a duplicate of ``tmp``'s descriptor (tracked by :mod:`asynccache.bridge.forksafe`:
         a forked child never holds it); its flock is the writer's, so sweepers leave the
         file alone and, once published, evictors leave it alone too, until the last pin
         of ``name`` here is gone. One pin is the publisher's: :meth:`settle` releases it.
@@ -908,7 +908,7 @@ def _touch(path: str) -> None:
 
 def _open_locked(path: str, *, exclusive: bool) -> int | None:
     """A descriptor of ``path`` holding a flock taken without blocking (tracked by
-    :mod:`asynccache.forksafe`; the caller closes it), or None when the file is gone, the
+    :mod:`asynccache.bridge.forksafe`; the caller closes it), or None when the file is gone, the
     lock is held elsewhere, or the name went to another file meanwhile."""
     try:
         fd = forksafe.open_fd(path, os.O_RDONLY)

@@ -34,15 +34,9 @@ import os
 import time
 from collections.abc import Mapping
 
-from .. import forksafe
+from ..bridge import forksafe
 from .eviction import Entry
-from .layout import (
-    is_chunk_name,
-    is_chunk_temp_name,
-    is_dataset_dir,
-    is_temp_name,
-    temp_final_name,
-)
+from .layout import is_chunk_name, is_chunk_temp_name, is_dataset_dir, is_temp_name, temp_final_name
 from .locks import try_lock
 
 __all__ = [

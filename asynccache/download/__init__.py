@@ -1,7 +1,7 @@
 """The chunk downloader: concurrency limit, single-flight, ranged parts, retries, prefetch."""
 
+from .bulk import prefetch_chunks, prefetch_dataset
 from .downloader import ChunkSpec, Downloader, file_checksum
-from .prefetch import prefetch_chunks, prefetch_dataset
 from .retry import RetryPolicy
 from .stats import DownloadStats
 

@@ -17,19 +17,13 @@ from typing import Any
 
 import xxhash
 
-from .. import forksafe
-from ..bridge import LoopThread, get_loop_thread
+from ..bridge import LoopThread, forksafe, get_loop_thread
 from ..cache.layout import TempFile
 from ..cache.locks import in_thread, try_lock
 from ..cache.plan import Deferred
 from ..cache.store import ChunkStore
 from ..config import Settings
-from ..errors import (
-    ChecksumMismatchError,
-    DiskFullError,
-    ObjectNotFoundError,
-    StorageTimeoutError,
-)
+from ..errors import ChecksumMismatchError, DiskFullError, ObjectNotFoundError, StorageTimeoutError
 from ..storage.base import Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate, shared_gate

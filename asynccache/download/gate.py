@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from .. import forksafe
+from ..bridge import forksafe
 
 __all__ = ["PriorityGate", "shared_gate"]
 

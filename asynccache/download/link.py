@@ -22,7 +22,7 @@ import statistics
 import threading
 from urllib.parse import urlsplit
 
-from .. import forksafe
+from ..bridge import forksafe
 from ..config import Settings
 from ..errors import ConfigError
 

@@ -24,7 +24,7 @@ blocks in a call. What it finds queued it coalesces: adjacent ranges of one file
 one call.
 
 Descriptor lifetime: each queued request holds a duplicate of the file's descriptor, made
-on the requesting thread while the file is open (:func:`asynccache.forksafe.dup_fd`), and
+on the requesting thread while the file is open (:func:`asynccache.bridge.forksafe.dup_fd`), and
 closed by the writeback thread once the request is done or dropped. A call therefore
 always names the file it was asked for, even when the file was published, discarded and
 its descriptor number reused meanwhile; a file closed before its turn is skipped (its
@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .. import forksafe
+from ..bridge import forksafe
 
 __all__ = ["MAX_QUEUED", "WRITEBACK_BYTES", "flush", "request_writeback", "start_writeback"]
 

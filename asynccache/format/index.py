@@ -430,7 +430,7 @@ class Index:
         if isinstance(got, IndexMeta):
             raise BadIndexError(
                 f"{where}: a version-2 index: its chunks are in {got.sidecar}, "
-                "read it with asynccache.indexfile"
+                "read it with asynccache.cache.indexfile"
             )
         return got
 

@@ -47,7 +47,7 @@ from ..format.index import index_from_columns
 from ..format.items import compressor
 from ..format.tokens import token_dtype
 from ..storage import Storage
-from ..writer import MERGE_STALL_S
+from ..write.writer import MERGE_STALL_S
 from . import job as jobs
 from . import watch
 from .job import JOB_KEY, WORK_PREFIX, Job, Lease, call, chunk_prefix, get_json, shard_key

@@ -40,19 +40,14 @@ from typing import Any
 
 import xxhash
 
-from .. import indexfile
 from ..bridge import get_loop_thread
+from ..bridge.lifeline import pid_alive
+from ..cache import indexfile
+from ..cache.fsutil import fsync_dir, publishing
 from ..config import Settings
 from ..download.retry import RetryPolicy
-from ..errors import (
-    ObjectNotFoundError,
-    StorageTimeoutError,
-    TransientError,
-    WriteConflictError,
-)
+from ..errors import ObjectNotFoundError, StorageTimeoutError, TransientError, WriteConflictError
 from ..format import INDEX_NAME, Index
-from ..fsutil import fsync_dir, publishing
-from ..lifeline import pid_alive
 from ..storage import Storage, open_storage
 from ..storage.local import TEMP_PREFIX
 

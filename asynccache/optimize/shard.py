@@ -26,13 +26,7 @@ from typing import Any, TypeVar
 
 from .._version import __version__
 from ..config import Settings
-from ..errors import (
-    CacheError,
-    ConfigError,
-    InputFailedError,
-    StorageError,
-    StorageTimeoutError,
-)
+from ..errors import CacheError, ConfigError, InputFailedError, StorageError, StorageTimeoutError
 from ..format import ChunkEntry, Index, build, encode, encoded_size
 from ..format.index import format_checksum, new_hasher
 from ..format.tokens import encode_tokens, flags_for, token_dtype

@@ -16,9 +16,9 @@ import os
 import shutil
 import tempfile
 
-from .. import forksafe
+from ..bridge import forksafe
+from ..bridge.lifeline import pid_alive
 from ..cache.locks import try_lock
-from ..lifeline import pid_alive
 
 __all__ = ["PREFIX", "StagingDir", "sweep_orphans"]
 

@@ -9,19 +9,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import xml.etree.ElementTree as ET
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from ..errors import StorageError
-from .s3_wire import NS, file_body, parse_xml
+from .s3_wire import NS, S3Response, file_body, parse_xml
 from .transport import gather_or_cancel
 
-if TYPE_CHECKING:
-    from .s3 import S3Storage
-
-__all__ = ["upload_multipart"]
+__all__ = ["MultipartTarget", "upload_multipart"]
 
 
-async def upload_multipart(storage: S3Storage, src: str, key: str, size: int) -> None:
+class MultipartTarget(Protocol):
+    """What an upload in parts needs of its S3 backend (``S3Storage`` is one)."""
+
+    part_size: int
+    upload_concurrency: int
+
+    def object_url(self, key: str) -> str: ...
+
+    async def request(
+        self,
+        method: str,
+        key: str | None,
+        *,
+        what: str,
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        data: Any = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> S3Response: ...
+
+
+async def upload_multipart(storage: MultipartTarget, src: str, key: str, size: int) -> None:
     """Upload ``src`` (``size`` bytes) to ``key`` in ``storage.part_size`` parts."""
     url = storage.object_url(key)
     resp = await storage.request("POST", key, what=url, query={"uploads": ""})

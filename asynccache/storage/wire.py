@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from .. import forksafe
+from ..bridge import forksafe
 from ..errors import BridgeError, StorageError, StorageTimeoutError, TransientError
 from .base import Sink
 from .errmap import map_socket_errors, status_error

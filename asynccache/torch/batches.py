@@ -1,6 +1,6 @@
 """Whole batches from a DataLoader worker, in reused shared-memory buffers.
 
-A worker that assembles batches itself (see :mod:`asynccache.batchread`) writes each
+A worker that assembles batches itself (see :mod:`asynccache.read.batchread`) writes each
 into a buffer of a small per-worker pool of shared-memory storages. The main process maps
 each buffer once (the first batch in it carries its storage; the main process writes an
 acknowledgement into the shared block) and keeps the mapping; later batches in that
@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..batchread import Form
+from ..bridge.lifeline import pid_alive
 from ..errors import ConfigError
-from ..lifeline import pid_alive
+from ..read.batchread import Form
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
 POOL_BYTES = 256 << 20  # ... and no more than about this much (at least 2 buffers)

@@ -9,10 +9,10 @@ from typing import Any
 from ..config import Settings, as_size
 from ..errors import AsyncCacheError, ConfigError, ObjectNotFoundError, TruncatedChunkError
 from ..format import INDEX_NAME, Index
-from ..reader import Reader
-from ..source import DatasetSource, is_remote, local_dir
-from ..writelock import WriteLock, check_token
-from ..writer import ChunkWriter, merge_dir, remove_partial
+from ..read.reader import Reader
+from ..read.source import DatasetSource, is_remote, local_dir
+from ..write.writelock import WriteLock, check_token
+from ..write.writer import ChunkWriter, merge_dir, remove_partial
 from . import distributed
 
 

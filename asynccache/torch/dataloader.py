@@ -18,7 +18,7 @@ from torch.utils.data._utils import signal_handling
 from ..cache.usage import scan
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError, WorkerStartError
-from ..writer import merge_dir, remove_partial
+from ..write.writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
 from .fetcher import FetcherStats

@@ -5,9 +5,9 @@ the ``k``-th sample of a stream in the epoch reads position ``k`` of that stream
 epoch order (its shuffle, ``subsample`` and window), wrapped to the count the mix takes
 from it. Everything about positions (the rank x worker split, padding, ``drop_last``,
 shared epoch counters, exact and elastic resume) is :class:`StreamingDataset`'s, applied to
-the slots of the mix; each stream's :class:`~asynccache.source.DatasetSource` plans its own
+the slots of the mix; each stream's :class:`~asynccache.read.source.DatasetSource` plans its own
 reads from the part of its order that every reader of the node takes
-(:class:`~asynccache.readplan.View`), so each chunk is downloaded once per node and
+(:class:`~asynccache.read.readplan.View`), so each chunk is downloaded once per node and
 evicted by the node's plan. All streams share the cache directory's budget and the
 process's I/O thread.
 """
@@ -25,22 +25,16 @@ from typing import Any
 import numpy as np
 from torch.utils.data import default_collate, get_worker_info
 
-from ..batchread import Form, Leaf, assemble_into
 from ..errors import ConfigError, ResumeStateError
-from ..readplan import View
+from ..read.batchread import Form, Leaf, assemble_into
+from ..read.readplan import View
+from ..read.token_blocks import copy_blocks
 from ..sampling import Segment
 from ..sampling.mix import MODES, MixOrder, Share, stream_counts
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
-from ..tokens import copy_blocks
 from . import batches, distributed
-from .streaming import (
-    _STAT_FIELDS,
-    StreamingDataset,
-    _drop,
-    _Progress,
-    _shared_bytes,
-)
+from .streaming import _STAT_FIELDS, StreamingDataset, _drop, _Progress, _shared_bytes
 
 __all__ = ["MixedDataset", "Stream"]
 

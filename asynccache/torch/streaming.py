@@ -15,17 +15,17 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from .. import lifeline
-from ..batchread import ChunkForms, Form, Leaf, assemble_into
+from ..bridge import lifeline
 from ..config import Settings
 from ..download.link import endpoint_of, link_for
 from ..errors import ConfigError, ResumeStateError
-from ..reader import Reader
+from ..read.batchread import ChunkForms, Form, Leaf, assemble_into
+from ..read.reader import Reader
+from ..read.source import DatasetSource
+from ..read.token_blocks import TokenBlocks, TokenUnits
 from ..sampling import Plan, Segment, consumed_to_remaining, plan
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, received_per_worker
-from ..source import DatasetSource
-from ..tokens import TokenBlocks, TokenUnits
 from . import batches, distributed
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from torch.utils.data import IterableDataset
 
 from ..errors import CacheError, WriteConflictError
 from ..format import INDEX_NAME
-from ..writelock import WriteLock, is_held, read_holder
-from ..writer import MERGE_STALL_S, ProgressWait, read_index
+from ..write.writelock import WriteLock, is_held, read_holder
+from ..write.writer import MERGE_STALL_S, ProgressWait, read_index
 from . import distributed
 from .cache import Cache
 

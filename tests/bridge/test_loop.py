@@ -199,7 +199,7 @@ def test_sessions_closed_at_exit_without_warnings() -> None:
 
 _REMOTE_EXIT = """
 import sys
-from asynccache.source import DatasetSource
+from asynccache.read.source import DatasetSource
 
 options, url, cache, case = eval(sys.argv[1])
 if case == "error after reading":

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from asynccache.config import Settings
-from asynccache.reader import Reader
-from asynccache.source import DatasetSource
+from asynccache.read.reader import Reader
+from asynccache.read.source import DatasetSource
 from tests.helpers import noise_item
 
 _WAIT_S = 60.0

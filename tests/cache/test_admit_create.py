@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from asynccache import forksafe
+from asynccache.bridge import forksafe
 from asynccache.cache import ChunkStore, usage
 from asynccache.cache.layout import TempFile
 from asynccache.cache.locks import open_lock_file, try_lock

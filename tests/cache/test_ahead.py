@@ -17,7 +17,7 @@ from fork_support import live_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asynccache import forksafe
+from asynccache.bridge import forksafe
 from asynccache.cache import ChunkStore, sweep_orphans, usage
 from asynccache.cache.locks import open_lock_file
 

@@ -25,8 +25,8 @@ from stamp_support import read_everything
 from asynccache.cache import stamp
 from asynccache.cache.layout import is_chunk_name, is_temp_name
 from asynccache.config import Settings
-from asynccache.reader import Reader
-from asynccache.source import DatasetSource
+from asynccache.read.reader import Reader
+from asynccache.read.source import DatasetSource
 from asynccache.testing.httpserver import StaticHTTPServer
 from tests.helpers import noise_item, write_noise_dataset
 

@@ -13,10 +13,10 @@ from asynccache.cache.board import Board
 from asynccache.cache.plan import Deferred, EpochPlan, PlanPolicy, Stream
 from asynccache.cache.store import ChunkStore
 from asynccache.config import Settings
-from asynccache.readplan import EpochSpec, PlanCache, ReadPlan
+from asynccache.read.readplan import EpochSpec, PlanCache, ReadPlan
 from asynccache.sampling.partition import Segment
 from asynccache.sampling.runs import reader_runs, reader_segments
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 SIZE = 100
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asynccache.readplan import union_runs, whole_batches
+from asynccache.read.readplan import union_runs, whole_batches
 from asynccache.sampling.partition import Segment
 from asynccache.sampling.runs import ReaderRuns, reader_runs
 

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from asynccache import CacheDataLoader
 from asynccache.config import Settings
 from asynccache.optimize.api import pool_context
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.distributed.ranks import rank_main
 from tests.loader.datasets import DictDataset
 

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from asynccache.config import Settings
-from asynccache.source import DatasetSource
+from asynccache.read.source import DatasetSource
 
 
 def holds(fd: int, ino: int) -> None:

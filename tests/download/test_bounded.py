@@ -13,8 +13,8 @@ import pytest
 import asynccache.download.downloader as downloader_mod
 from asynccache.bridge import get_loop_thread
 from asynccache.config import Settings
-from asynccache.prefetch import prefetch
-from asynccache.source import DatasetSource
+from asynccache.read.prefetch import prefetch
+from asynccache.read.source import DatasetSource
 from asynccache.torch.streaming import StreamingDataset
 from tests.remote_data import upload_dataset, write_dataset
 
@@ -35,7 +35,7 @@ def test_prefetch_of_1000_chunks_under_a_low_descriptor_limit(
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
         from asynccache.config import Settings
-        from asynccache.prefetch import prefetch
+        from asynccache import prefetch
         settings = Settings.from_env(progress=False, max_concurrency=8)
         stats = prefetch({server.url!r}, {str(tmp_path / "cc")!r}, settings=settings)
         print("fetched", stats.chunks_fetched, "peak", stats.peak_inflight)

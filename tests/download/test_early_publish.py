@@ -22,8 +22,8 @@ import pytest
 from asynccache.cache import ChunkStore
 from asynccache.cache.layout import TempFile, is_temp_name, reopens, shown_path, sweep_orphans
 from asynccache.config import Settings
-from asynccache.reader import Reader
-from asynccache.source import DatasetSource
+from asynccache.read.reader import Reader
+from asynccache.read.source import DatasetSource
 from tests.helpers import noise_item, write_noise_dataset
 
 pytestmark = [

@@ -11,11 +11,7 @@ from dl_support import make_chunks
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
-from asynccache.errors import (
-    ChecksumMismatchError,
-    ObjectNotFoundError,
-    RetriesExhaustedError,
-)
+from asynccache.errors import ChecksumMismatchError, ObjectNotFoundError, RetriesExhaustedError
 from asynccache.storage import open_storage
 from asynccache.testing.faults import Fault, FaultProxy
 

@@ -6,7 +6,7 @@ import pytest
 
 from asynccache.config import Settings
 from asynccache.errors import CorruptIndexError
-from asynccache.source import DatasetSource
+from asynccache.read.source import DatasetSource
 from asynccache.testing.faults import Fault, FaultProxy
 from tests.remote_data import write_dataset
 

@@ -22,8 +22,8 @@ import torch
 from asynccache import CacheDataLoader, Settings, StreamingDataset
 from asynccache.testing.faults import Fault, FaultProxy
 from asynccache.torch import streaming
-from asynccache.upload import upload
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.upload import upload
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 pytestmark = pytest.mark.timeout(120)
 

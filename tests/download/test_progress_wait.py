@@ -13,7 +13,7 @@ from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
 from asynccache.errors import RetriesExhaustedError, StorageTimeoutError
-from asynccache.source import DatasetSource
+from asynccache.read.source import DatasetSource
 from asynccache.storage import open_storage
 from asynccache.testing.faults import Fault, FaultProxy
 from tests.remote_data import write_dataset

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from asynccache import forksafe
+from asynccache.bridge import forksafe
 from asynccache.cache.layout import TempFile
 from asynccache.download import writeback
 

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 
+from asynccache.cache.indexfile import read_path
 from asynccache.errors import (
     AsyncCacheError,
     BadIndexError,
@@ -21,7 +22,6 @@ from asynccache.errors import (
 )
 from asynccache.format import Index, checksum
 from asynccache.format.index import INDEX_CHECKSUM_FIELD
-from asynccache.indexfile import read_path
 from asynccache.torch.cache import Cache
 
 

@@ -9,10 +9,16 @@ import random
 import numpy as np
 
 from asynccache import CacheDataLoader
+from asynccache.cache.indexfile import read_dir
 from asynccache.format import ChunkView, decode
 from asynccache.format.columns import sidecar_name
-from asynccache.indexfile import read_dir
-from asynccache.writer import SORTED_WRITER, ChunkWriter, merge_dir, read_index, remove_partial
+from asynccache.write.writer import (
+    SORTED_WRITER,
+    ChunkWriter,
+    merge_dir,
+    read_index,
+    remove_partial,
+)
 from tests.loader.datasets import DictDataset
 
 # 100k tiny items written shuffled: one [key, 1] run each would be ~31 bytes x 100k = 3 MB.

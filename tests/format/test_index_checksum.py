@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from asynccache.cache.indexfile import read_path
 from asynccache.errors import BadIndexError, CorruptIndexError
 from asynccache.format import Index
 from asynccache.format.index import INDEX_CHECKSUM_FIELD
-from asynccache.indexfile import read_path
 from asynccache.torch.cache import Cache
 
 

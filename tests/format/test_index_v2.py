@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
+from asynccache.cache.indexfile import read_dir, write_dir
 from asynccache.errors import BadIndexError, CorruptIndexError, UnsafePathError
 from asynccache.format import ChunkEntry, Index
 from asynccache.format.columns import from_lists
 from asynccache.format.index import INDEX_CHECKSUM_FIELD, IndexMeta, load, seal
-from asynccache.indexfile import read_dir, write_dir
 
 CK = "xxh3_64:{:016x}"
 

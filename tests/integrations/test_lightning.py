@@ -15,7 +15,7 @@ import torch
 
 from asynccache import CacheDataLoader
 from asynccache.config import Settings
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.loader.datasets import DictDataset
 
 pytest.importorskip("lightning")

@@ -7,7 +7,7 @@ from typing import Any
 
 from asynccache import StreamingDataset
 from asynccache.torch.mixed import MixedDataset, Stream
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 SIZES = (300, 200, 100)
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -45,7 +45,7 @@ def pairs(batches: list[dict]) -> list[tuple[int, int]]:
 def upload_streams(objstore: Any, local: list[str], bucket: str) -> list[str]:
     """The streams uploaded to ``s3://bucket/stream{s}``."""
     from asynccache.config import Settings
-    from asynccache.upload import upload
+    from asynccache.write.upload import upload
 
     urls = []
     for s, d in enumerate(local):

@@ -12,7 +12,7 @@ import pytest
 from torch.utils.data import Dataset
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.reader import Reader
+from asynccache.read.reader import Reader
 from asynccache.testing.faults import Fault, FaultProxy
 from tests.download import test_first_read as first_read
 from tests.loader.test_batch import per_item, same

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.batchread import Form, Leaf
+from asynccache.read.batchread import Form, Leaf
 from asynccache.torch import batches
 from tests.loader.test_batch import Fixed, N, write
 

@@ -23,7 +23,7 @@ from asynccache import CacheDataLoader, StreamingDataset
 from asynccache.config import Settings
 from asynccache.format.chunk import items_start
 from asynccache.testing.faults import FaultProxy
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 from tests.loader.mix_data import mix, pairs, write_streams
 from tests.remote_data import upload_dataset
 

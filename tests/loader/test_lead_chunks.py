@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import asynccache.reader as reader_module
+import asynccache.read.reader as reader_module
 from asynccache import CacheDataLoader, StreamingDataset
 from asynccache.config import Settings
 from tests.helpers import write_noise_dataset

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asynccache import CacheDataLoader, MixedDataset, Stream, StreamingDataset, TokenBlocks
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 from tests.loader.mix_data import mix, pairs, write_streams
 from tests.loader.test_batch import per_item, same
 from tests.tokens.corpus import documents, write_tokens

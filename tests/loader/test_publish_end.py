@@ -21,8 +21,8 @@ import torch.utils.data._utils as torch_data_utils
 
 import asynccache.download.downloader as downloader
 from asynccache import CacheDataLoader, Settings, StreamingDataset
-from asynccache.source import DatasetSource
-from asynccache.upload import upload
+from asynccache.read.source import DatasetSource
+from asynccache.write.upload import upload
 from tests.loader.datasets import DictDataset
 
 N = 24

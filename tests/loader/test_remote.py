@@ -9,7 +9,7 @@ import torch
 
 from asynccache import Cache, CacheDataLoader, ConfigError, ObjectNotFoundError
 from asynccache.config import Settings
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.helpers import assert_same
 from tests.loader.datasets import DictDataset
 

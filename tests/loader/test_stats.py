@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from asynccache import CacheDataLoader, Fetcher, Settings, StreamingDataset
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.loader.datasets import DictDataset
 
 N = 40

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.helpers import assert_same
 from tests.loader.datasets import DictDataset
 

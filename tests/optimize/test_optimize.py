@@ -8,13 +8,7 @@ import random
 
 import pytest
 
-from asynccache import (
-    ConfigError,
-    DatasetExistsError,
-    InputFailedError,
-    StreamingDataset,
-    optimize,
-)
+from asynccache import ConfigError, DatasetExistsError, InputFailedError, StreamingDataset, optimize
 from asynccache.config import Settings
 from asynccache.format.columns import sidecar_name
 from asynccache.optimize.job import WORK_PREFIX

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache.format.index import ChunkEntry, Index
-from asynccache.readplan import EpochSpec, PlanCache
+from asynccache.read.readplan import EpochSpec, PlanCache
 from asynccache.sampling.order import OrderSpec, ReadOrder
 from asynccache.sampling.runs import reader_runs, reader_segments, window_runs
 

@@ -9,9 +9,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from asynccache.config import Settings
-from asynccache.prefetch import prefetch
+from asynccache.read.prefetch import prefetch
 from asynccache.torch.streaming import StreamingDataset
-from asynccache.upload import upload
+from asynccache.write.upload import upload
 from tests.remote_data import write_dataset
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]

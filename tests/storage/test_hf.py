@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from asynccache.config import Settings
 from asynccache.errors import AuthError, ConfigError, ObjectNotFoundError, StorageError
-from asynccache.prefetch import prefetch
+from asynccache.read.prefetch import prefetch
 from asynccache.storage import open_storage
 from asynccache.testing.hubserver import HubServer
 from asynccache.torch.streaming import StreamingDataset

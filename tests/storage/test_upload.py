@@ -20,7 +20,7 @@ from asynccache.format import ChunkEntry, Index, checksum
 from asynccache.storage import LocalStorage, open_storage
 from asynccache.testing import ObjectStore
 from asynccache.torch.cache import Cache
-from asynccache.upload import UploadSummary, upload, upload_async
+from asynccache.write.upload import UploadSummary, upload, upload_async
 
 pytestmark = pytest.mark.timeout(90)
 

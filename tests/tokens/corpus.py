@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from asynccache.format import Index
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 #: Document lengths of the position corpus (empty and long documents included).
 LENGTHS = [(i * 7919) % 900 for i in range(60)]

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from asynccache.errors import ConfigError, DataError, SerializationError, UnsupportedVersionError
 from asynccache.format import ChunkView, Index
 from asynccache.format.tokens import dtype_of_flags, encode_tokens, token_dtype
-from asynccache.reader import Reader
+from asynccache.read.reader import Reader
+from asynccache.read.token_blocks import TokenBlocks
 from asynccache.sampling.blocks import BlockLayout
-from asynccache.tokens import TokenBlocks
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 from .corpus import documents, write_tokens
 

@@ -110,7 +110,7 @@ def test_a_state_of_another_block_size_or_of_items_is_refused(remote, tmp_path):
 
 
 def test_an_item_dataset_is_refused_as_token_blocks(tmp_path):
-    from asynccache.writer import ChunkWriter, merge_dir
+    from asynccache.write.writer import ChunkWriter, merge_dir
 
     w = ChunkWriter(str(tmp_path), 0)
     w.add(0, np.arange(5))

@@ -8,9 +8,9 @@ import pytest
 from asynccache import optimize
 from asynccache.config import Settings
 from asynccache.errors import ConfigError, SerializationError
-from asynccache.reader import Reader
-from asynccache.tokens import TokenBlocks
-from asynccache.writer import ChunkWriter, merge_dir
+from asynccache.read.reader import Reader
+from asynccache.read.token_blocks import TokenBlocks
+from asynccache.write.writer import ChunkWriter, merge_dir
 
 from .corpus import documents
 

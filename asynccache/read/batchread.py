@@ -47,7 +47,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .errors import TruncatedChunkError
+from ..errors import TruncatedChunkError
 
 __all__ = ["ChunkForms", "Form", "Leaf", "assemble_into", "copy_rows", "layout"]
 

@@ -8,7 +8,7 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator
 
-from .errors import CacheError
+from ..errors import CacheError
 
 TMP_SUFFIX = ".tmp"
 

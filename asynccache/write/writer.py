@@ -10,7 +10,7 @@ the directory (so those names are on disk), then writes ``index.json`` (fsync, r
 and fsyncs the directory again. So after a power loss an ``index.json`` on disk never
 names a chunk that is missing or truncated.
 
-One job writes into a directory at a time (:mod:`asynccache.writelock`).
+One job writes into a directory at a time (:mod:`asynccache.write.writelock`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from . import indexfile
-from ._version import __version__
-from .errors import BadIndexError, CacheError, ConfigError, WriteConflictError
-from .format import (
+from .._version import __version__
+from ..cache import indexfile
+from ..cache.fsutil import atomic_write, fsync_dir
+from ..errors import BadIndexError, CacheError, ConfigError, WriteConflictError
+from ..format import (
     INDEX_NAME,
     ChunkEntry,
     ChunkView,
@@ -40,10 +41,9 @@ from .format import (
     merge,
     runs,
 )
-from .format.index import format_checksum, new_hasher
-from .format.items import compressor
-from .format.tokens import encode_tokens, flags_for, token_dtype
-from .fsutil import atomic_write, fsync_dir
+from ..format.index import format_checksum, new_hasher
+from ..format.items import compressor
+from ..format.tokens import encode_tokens, flags_for, token_dtype
 from .writelock import is_held, read_holder
 
 DEFAULT_CHUNK_BYTES = 64 << 20

@@ -1,7 +1,7 @@
 """One reader following the node's epoch plan: its place on the board, its pins, its hints.
 
-``StreamingDataset`` hands each epoch's plan to its :class:`~asynccache.source.DatasetSource`
-(:meth:`~asynccache.source.DatasetSource.plan_epoch`). From the deterministic order the
+``StreamingDataset`` hands each epoch's plan to its :class:`~asynccache.read.source.DatasetSource`
+(:meth:`~asynccache.read.source.DatasetSource.plan_epoch`). From the deterministic order the
 source computes what every reader of the node (every DataLoader worker of every rank)
 reads this epoch and the next (:mod:`asynccache.sampling.runs`), and:
 
@@ -13,7 +13,7 @@ reads this epoch and the next (:mod:`asynccache.sampling.runs`), and:
   again through them), and hints the downloader with the chunks it reads next.
 
 Layer: above :mod:`asynccache.download`, :mod:`asynccache.cache` and
-:mod:`asynccache.sampling`; used by :mod:`asynccache.source`.
+:mod:`asynccache.sampling`; used by :mod:`asynccache.read.source`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .cache.board import Board, board_path
-from .cache.plan import EpochPlan, PlanPolicy, Stream
-from .errors import ConfigError
-from .format import Index
-from .sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
-from .sampling.partition import Interval, Segment
-from .sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
+from ..cache.board import Board, board_path
+from ..cache.plan import EpochPlan, PlanPolicy, Stream
+from ..errors import ConfigError
+from ..format import Index
+from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
+from ..sampling.partition import Interval, Segment
+from ..sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
 
 __all__ = [
     "EpochSpec",

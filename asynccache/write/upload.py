@@ -31,14 +31,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import indexfile
-from .bridge import get_loop_thread
-from .config import Settings
-from .errors import ConfigError, DataError, ObjectNotFoundError
-from .format import INDEX_NAME, Index
-from .format.columns import NAME_RE as SIDECAR_NAME
-from .storage import Storage, open_storage
-from .storage.transport import gather_or_cancel
+from ..bridge import get_loop_thread
+from ..cache import indexfile
+from ..config import Settings
+from ..errors import ConfigError, DataError, ObjectNotFoundError
+from ..format import INDEX_NAME, Index
+from ..format.columns import NAME_RE as SIDECAR_NAME
+from ..storage import Storage, open_storage
+from ..storage.transport import gather_or_cancel
 
 __all__ = ["UploadSummary", "plan_upload", "upload", "upload_async"]
 

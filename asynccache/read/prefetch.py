@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import Settings
-from .download.prefetch import prefetch_chunks
-from .download.stats import DownloadStats
+from ..config import Settings
+from ..download.bulk import prefetch_chunks
+from ..download.stats import DownloadStats
 from .source import DatasetSource
 
 

@@ -25,26 +25,22 @@ from typing import Any
 
 import numpy as np
 
-from . import forksafe, indexfile
-from .bridge import get_loop_thread
-from .cache.store import ChunkStore
-from .config import Settings
-from .download.connection import Connection
-from .download.downloader import ChunkSpec, Downloader
-from .download.link import LinkEstimate, endpoint_of, link_for
-from .download.retry import RetryPolicy
-from .download.stats import DownloadStats
-from .errors import (
-    CorruptIndexError,
-    RetriesExhaustedError,
-    TransientError,
-)
-from .format import INDEX_NAME, ChunkEntry, Index
-from .format.index import IndexMeta
-from .format.index import load as load_index
+from ..bridge import forksafe, get_loop_thread
+from ..cache import indexfile
+from ..cache.store import ChunkStore
+from ..config import Settings
+from ..download.connection import Connection
+from ..download.downloader import ChunkSpec, Downloader
+from ..download.link import LinkEstimate, endpoint_of, link_for
+from ..download.retry import RetryPolicy
+from ..download.stats import DownloadStats
+from ..errors import CorruptIndexError, RetriesExhaustedError, TransientError
+from ..format import INDEX_NAME, ChunkEntry, Index
+from ..format.index import IndexMeta
+from ..format.index import load as load_index
+from ..sampling.order import Units
+from ..storage import open_storage
 from .readplan import EpochSpec, PlanCache, ReadPlan, View, raise_if_below
-from .sampling.order import Units
-from .storage import open_storage
 
 # Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
 # made ahead, so their downloads start without a reservation (Downloader._make_ahead).
@@ -410,11 +406,11 @@ class DatasetSource:
         view: View | None = None,
     ) -> None:
         """This process is reader ``rank * num_workers + worker`` of an epoch read in the
-        sampler's order (see :mod:`asynccache.readplan`); remote datasets only.
+        sampler's order (see :mod:`asynccache.read.readplan`); remote datasets only.
         ``skipped``: positions of its part this reader skips at the start (its own resume).
         ``subsample``, ``epoch_size``, ``units``: how the order is made
         (:class:`~asynccache.sampling.order.ReadOrder`); ``view``: the positions are those
-        of a mix of datasets (:class:`~asynccache.readplan.View`).
+        of a mix of datasets (:class:`~asynccache.read.readplan.View`).
 
         From here on the cache evicts and prefetches by the whole node's plan (every rank
         and worker reading this dataset this way), this reader's hints come from it, and

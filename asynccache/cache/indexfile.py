@@ -19,14 +19,14 @@ import mmap
 import os
 from typing import Any
 
-from . import forksafe
-from .cache.locks import try_lock
-from .errors import BadIndexError, ObjectNotFoundError
-from .format import INDEX_NAME, Index
-from .format.columns import NAME_RE
-from .format.index import IndexMeta, load
+from ..bridge import forksafe
+from ..errors import BadIndexError, ObjectNotFoundError
+from ..format import INDEX_NAME, Index
+from ..format.columns import NAME_RE
+from ..format.index import IndexMeta, load
+from ..storage.base import Storage
 from .fsutil import atomic_write, fsync_dir
-from .storage.base import Storage
+from .locks import try_lock
 
 __all__ = ["discard", "map_sidecar", "read_dir", "read_path", "read_storage", "write_dir"]
 

@@ -21,12 +21,12 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from . import forksafe
-from .cache.layout import reopens, shown_path
-from .download import heap
-from .errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
-from .format import ChunkEntry, ChunkView, Index, checksum, decode
-from .format.chunk import header_offsets, items_start
+from ..bridge import forksafe
+from ..cache.layout import reopens, shown_path
+from ..download import heap
+from ..errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
+from ..format import ChunkEntry, ChunkView, Index, checksum, decode
+from ..format.chunk import header_offsets, items_start
 
 Resolve = Callable[[int, ChunkEntry], str]
 Release = Callable[[int], None]
@@ -41,7 +41,7 @@ _EARLY_WAIT_S = 300.0  # outer bound; each request is bounded by timeout_s and r
 
 class Ranged(Protocol):
     """What a reader needs to read items before their chunk lands (a remote
-    :class:`~asynccache.source.DatasetSource`)."""
+    :class:`~asynccache.read.source.DatasetSource`)."""
 
     @property
     def first_read_bytes(self) -> int: ...
@@ -89,7 +89,7 @@ class _Mapped:
 
 class ChunkMap(mmap.mmap):
     """A read-only shared mapping of a chunk file, with the file open (``fd``) beside it,
-    for batch assembly (:mod:`asynccache.batchread`).
+    for batch assembly (:mod:`asynccache.read.batchread`).
 
     Not the reader's own copy-on-write mapping: nothing hands out views of this one, so
     its pages can be dropped (``madvise(MADV_DONTNEED)``) once read, and large items can

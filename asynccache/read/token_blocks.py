@@ -13,7 +13,7 @@ documents: ``StreamingDataset(url, item_loader=TokenBlocks(block_size=2049))``.
   chunk is opened.
 
 Layer: above :mod:`asynccache.format`, :mod:`asynccache.sampling` and
-:mod:`asynccache.reader`; torch-free.
+:mod:`asynccache.read.reader`; torch-free.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, DataError
-from .format import Index
+from ..errors import ConfigError, DataError
+from ..format import Index
+from ..sampling.blocks import BlockLayout
 from .reader import Reader
-from .sampling.blocks import BlockLayout
 
 __all__ = ["TokenBlocks", "TokenUnits", "copy_blocks"]
 

@@ -10,7 +10,7 @@ Invariants:
   writing a standalone ``Cache``). The job's other writers (DataLoader workers, other
   ranks) don't take it: they check that the file names their token (:func:`check_token`),
   so a job's own workers are never locked out and a foreign job's workers are refused.
-* The descriptor is tracked by :mod:`asynccache.forksafe`: a forked DataLoader worker
+* The descriptor is tracked by :mod:`asynccache.bridge.forksafe`: a forked DataLoader worker
   closes its copy at once, so the lock never outlives the process that took it, and the
   kernel drops it when that process dies (no stale lock after a crash).
 * The holder unlinks the file when it releases the lock (so a written dataset directory
@@ -31,8 +31,8 @@ import os
 import socket
 from typing import Any
 
-from . import forksafe
-from .errors import CacheError, WriteConflictError
+from ..bridge import forksafe
+from ..errors import CacheError, WriteConflictError
 
 LOCK_NAME = ".write.lock"
 _ATTEMPTS = 8

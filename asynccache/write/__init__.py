@@ -1,0 +1,1 @@
+"""Writing a dataset: the chunk writer and merge, the write lock, upload."""
