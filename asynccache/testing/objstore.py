@@ -230,8 +230,7 @@ class ObjectStore:
             *(f"-{name}={port}" for name, port in ports.items()),
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
-            f"-filer.localSocket={root / 'filer.sock'}",
-            f"-s3.localSocket={root / 's3.sock'}",
+            *_local_sockets(root),
             "-volume.max=0",
             f"-master.volumeSizeLimitMB={self._volume_size_limit_mb}",
             "-master.telemetry=false",
@@ -335,22 +334,6 @@ class ObjectStore:
         return body
 
 
-def main() -> None:
-    """Run one store in the foreground until interrupted, printing how to reach it."""
-    with ObjectStore() as store:
-        store.create_bucket("asynccache")
-        for key, value in store.env.items():
-            print(f"export {key}={value}")
-        print(f"# bucket 'asynccache' created; weed pid {store.pid}; Ctrl-C to stop", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
-
-
-if __name__ == "__main__":
-    main()
-
-
 def remove_sockets(ports: Iterable[int]) -> None:
     """Remove the gRPC socket files ``weed`` leaves for these ports (it puts them in /tmp
     whatever ``TMPDIR`` says, and a killed server cannot remove them)."""
@@ -358,6 +341,25 @@ def remove_sockets(ports: Iterable[int]) -> None:
         for leftover in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
             with contextlib.suppress(OSError):
                 leftover.unlink()
+
+
+#: Longest path a Unix socket may bind to on Linux (``sun_path`` is 108 bytes with its NUL).
+_SUN_PATH_MAX = 107
+
+
+def _local_sockets(root: Path) -> list[str]:
+    """``weed`` options putting its filer and S3 Unix sockets in ``root``, where they fit.
+
+    A socket path longer than ``sun_path`` makes ``weed`` exit at start; under a long
+    ``TMPDIR`` the option is left out and ``weed`` uses ``/tmp/seaweedfs-<name>-<port>.sock``,
+    which :func:`remove_sockets` removes on stop.
+    """
+    options = []
+    for name in ("filer", "s3"):
+        path = root / f"{name}.sock"
+        if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+            options.append(f"-{name}.localSocket={path}")
+    return options
 
 
 def _die_with_parent() -> None:
@@ -374,3 +376,28 @@ def _die_with_parent() -> None:
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def main() -> None:
+    """Run one store in the foreground until Ctrl-C or SIGTERM, printing how to reach it.
+
+    Either signal stops the server and removes its directory before exiting with 0.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # A plain ``kill`` would otherwise end this process without running ``stop()``: the
+    # server would still die (parent-death signal) but its directory would stay behind.
+    signal.signal(signal.SIGTERM, interrupt)
+    with contextlib.suppress(KeyboardInterrupt), ObjectStore() as store:
+        store.create_bucket("asynccache")
+        for key, value in store.env.items():
+            print(f"export {key}={value}")
+        print(f"# bucket 'asynccache' created; weed pid {store.pid}; Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
