@@ -5,7 +5,7 @@ shared file system is involved, only the storage contract (put, list, head, dele
 
     index.json                              the commit, written last by the finisher
     chunk-<gen>-<shard>-<n>.bin             chunks; <gen> is new for every job
-    _optimize/lease.json                    the running job: owner token, pid, host, heartbeat
+    _optimize/lease.json                    the running job: owner token, pid, host, beat count
     _optimize/job.json                      the plan: gen, shard count, input fingerprint
     _optimize/<gen>/shard-<k>.index.json    one per finished shard: its chunks, keys 0..n-1
 
@@ -42,7 +42,7 @@ import xxhash
 
 from ..bridge import get_loop_thread
 from ..bridge.lifeline import pid_alive
-from ..cache import indexfile
+from ..cache import indexfile, stamp
 from ..cache.fsutil import fsync_dir, publishing
 from ..config import Settings
 from ..download.retry import RetryPolicy
@@ -57,7 +57,8 @@ WORK_PREFIX = "_optimize"
 LEASE_KEY = f"{WORK_PREFIX}/lease.json"
 JOB_KEY = f"{WORK_PREFIX}/job.json"
 MODES = ("create", "overwrite", "append")
-#: A lease whose heartbeat is older than this is stale: its job is gone.
+#: A foreign lease that did not change for this long, on the contender's own monotonic
+#: clock, is stale: its job is gone (the holder rewrites it every twelfth of this).
 LEASE_TTL_S = 60.0
 #: How long a new lease waits before reading it back (a racing job's write lands first).
 LEASE_SETTLE_S = 0.25
@@ -343,24 +344,41 @@ class Job:
 # -- the lease ----------------------------------------------------------------------
 
 
-def lease_is_live(doc: Mapping[str, Any], now: float, ttl_s: float) -> bool:
-    """True when the job that wrote lease ``doc`` may still be running.
+def this_host() -> dict[str, Any]:
+    """Who writes a heartbeat: hostname and boot id (pids are only comparable on one
+    kernel and in one pid namespace, so both must match; see :func:`same_host`)."""
+    boot = stamp.boot_id()
+    return {"host": socket.gethostname(), "boot": None if boot is None else boot.decode()}
 
-    On this host a dead pid settles it at once; elsewhere only the heartbeat's age can.
-    """
+
+def same_host(doc: Mapping[str, Any]) -> bool:
+    """True when ``doc`` was written on this host (same hostname and boot), so its pid can
+    be checked here. A document without a boot id never counts as this host's."""
+    me = this_host()
+    return (
+        me["boot"] is not None and doc.get("boot") == me["boot"] and doc.get("host") == me["host"]
+    )
+
+
+def lease_is_dead(doc: Mapping[str, Any]) -> str | None:
+    """Why the job that wrote lease ``doc`` is certainly gone (released, or its pid on
+    this host no longer exists), or None when only watching the lease can tell."""
     if doc.get("released"):
-        return False
+        return "released"
     pid = doc.get("pid")
-    if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
-        return False
-    beat = doc.get("heartbeat")
-    return isinstance(beat, (int, float)) and now - beat < ttl_s
+    if same_host(doc) and isinstance(pid, int) and not pid_alive(pid):
+        return f"its process (pid {pid} on this host) is gone"
+    return None
 
 
-def _describe(doc: Mapping[str, Any], now: float) -> str:
+def _describe(doc: Mapping[str, Any]) -> str:
     beat = doc.get("heartbeat")
-    age = f"{now - beat:.0f}s ago" if isinstance(beat, (int, float)) else "never"
-    return f"job {doc.get('owner')} (pid {doc.get('pid')} on {doc.get('host')}, heartbeat {age})"
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S UTC by its host's clock", time.gmtime(beat))
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 <= beat < 1e11
+        else "never"
+    )
+    return f"job {doc.get('owner')} (pid {doc.get('pid')} on {doc.get('host')}, heartbeat {when})"
 
 
 class Lease:
@@ -369,51 +387,83 @@ class Lease:
     Object stores offer no atomic create-if-absent through our storage contract, so the
     claim is: read (refuse a live foreign lease), write ours, wait ``settle_s``, read back
     (refuse when another job's write replaced ours). A heartbeat thread rewrites it every
-    ``ttl_s / 4`` after checking it is still ours, and :meth:`check` is called right
-    before the commit: of two jobs racing on one output, at most one writes
-    ``index.json``; the other raises :class:`WriteConflictError`.
+    ``ttl_s / 12`` (a new ``beat`` count each time) after checking it is still ours, and
+    :meth:`check` is called right before the commit: of two jobs racing on one output, at
+    most one writes ``index.json``; the other raises :class:`WriteConflictError`.
+
+    Liveness never compares wall clocks: hosts' clocks differ, and a contender whose clock
+    runs ahead would see a live job's fresh heartbeat as old. A foreign lease is live while
+    it *changes*: the contender reads it again every ``ttl_s / 48`` for up to ``ttl_s`` of
+    its own monotonic clock, refuses at the first change, and takes over only a lease that
+    stayed the same for the whole period (or one that is certainly dead:
+    :func:`lease_is_dead`). The heartbeat's wall time is kept for messages only.
     """
 
     def __init__(self, storage: Storage, owner: str, ttl_s: float = LEASE_TTL_S) -> None:
         self.storage, self.owner, self.ttl_s = storage, owner, ttl_s
+        self.beat_s = ttl_s / 12
         self.lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats = 0
 
     def _doc(self, released: bool = False) -> bytes:
+        self._beats += 1
         doc = {
             "owner": self.owner,
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            **this_host(),
             "heartbeat": time.time(),
+            "beat": self._beats,
             "released": released,
         }
         return json.dumps(doc).encode()
 
     def acquire(self, settle_s: float = LEASE_SETTLE_S) -> None:
-        """Claim the output. Raises WriteConflictError naming the other job."""
+        """Claim the output. Raises WriteConflictError naming the other job.
+
+        Bounded: a foreign lease is watched for at most ``ttl_s`` (plus one read).
+        """
         where = self.storage.url
         doc = call(get_json(self.storage, LEASE_KEY))
-        now = time.time()
-        if (
-            doc is not None
-            and doc.get("owner") != self.owner
-            and lease_is_live(doc, now, self.ttl_s)
-        ):
-            raise WriteConflictError(
-                f"{where}: {_describe(doc, now)} is converting a dataset into this output; "
-                f"wait for it, or if it is dead on another host, rerun after {self.ttl_s:.0f}s "
-                "without a heartbeat"
-            )
-        if doc is not None and doc.get("owner") != self.owner and not doc.get("released"):
-            log.warning("%s: taking over the stale lease of %s", where, _describe(doc, now))
+        if doc is not None and doc.get("owner") != self.owner:
+            self._wait_out(doc)
         call(put_bytes(self.storage, LEASE_KEY, self._doc()))
         if self.storage.local_path(LEASE_KEY) is not None:
             settle_s = min(settle_s, LOCAL_SETTLE_S)
         time.sleep(settle_s)
         self.check()
+        log.debug("%s: lease taken by %s", where, self.owner)
         self._thread = threading.Thread(target=self._beat, name="asynccache-lease", daemon=True)
         self._thread.start()
+
+    def _wait_out(self, doc: dict[str, Any]) -> None:
+        """Return once foreign lease ``doc`` is gone, dead or unchanged for ``ttl_s``;
+        raise WriteConflictError as soon as it changes (its job is alive)."""
+        where = self.storage.url
+        if lease_is_dead(doc) is not None:
+            return
+        log.info(
+            "%s: %s holds the lease; watching it for up to %.0fs to tell whether it is alive",
+            where, _describe(doc), self.ttl_s,
+        )  # fmt: skip
+        since = time.monotonic()
+        while (waited := time.monotonic() - since) < self.ttl_s:
+            time.sleep(min(self.ttl_s / 48, self.ttl_s - waited))
+            now = call(get_json(self.storage, LEASE_KEY))
+            if now is None or lease_is_dead(now) is not None:
+                return
+            if now != doc:
+                raise WriteConflictError(
+                    f"{where}: {_describe(now)} is converting a dataset into this output "
+                    f"(its lease changed within {time.monotonic() - since:.1f}s); wait for "
+                    f"it, or if it died on another host, rerun: a lease unchanged for "
+                    f"{self.ttl_s:.0f}s is taken over"
+                )
+        log.warning(
+            "%s: taking over the stale lease of %s (unchanged for %.0fs)",
+            where, _describe(doc), self.ttl_s,
+        )  # fmt: skip
 
     def check(self) -> None:
         """Raise WriteConflictError unless the lease still names this job."""
@@ -421,8 +471,7 @@ class Lease:
             raise WriteConflictError(self.lost)
         doc = call(get_json(self.storage, LEASE_KEY))
         if doc is None or doc.get("owner") != self.owner:
-            now = time.time()
-            who = _describe(doc, now) if doc else "another job (lease removed)"
+            who = _describe(doc) if doc else "another job (lease removed)"
             self.lost = (
                 f"{self.storage.url}: {who} started converting into this output while this "
                 "job ran; this job stops without committing"
@@ -430,7 +479,7 @@ class Lease:
             raise WriteConflictError(self.lost)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 4):
+        while not self._stop.wait(self.beat_s):
             try:
                 self.check()
                 call(put_bytes(self.storage, LEASE_KEY, self._doc()), self.ttl_s)
@@ -490,7 +539,7 @@ class RankBeat:
 
     def _doc(self) -> bytes:
         self._n += 1
-        doc = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+        doc = {"rank": self.rank, "pid": os.getpid(), **this_host(),
                "heartbeat": time.time(), "beat": self._n}  # fmt: skip
         return json.dumps(doc).encode()
 
@@ -535,8 +584,7 @@ class PeerWatch:
             self._seen[key] = (beat, now)
             since = now
         pid = doc.get("pid") if doc else None
-        here = doc is not None and doc.get("host") == socket.gethostname()
-        if here and isinstance(pid, int) and not pid_alive(pid):
+        if doc is not None and same_host(doc) and isinstance(pid, int) and not pid_alive(pid):
             return f"its process (pid {pid} on this host) is gone"
         if now - since > self.ttl_s:
             what = "no heartbeat" if doc is None else "no new heartbeat"
