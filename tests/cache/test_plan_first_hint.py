@@ -1,4 +1,5 @@
-"""The first hint of a reader that starts inside a run (docs/cache.md, "Where a cold epoch's time goes")."""
+"""The first hint of a reader that starts inside a run (docs/performance.md, "Where a cold
+epoch's time went")."""
 
 from __future__ import annotations
 

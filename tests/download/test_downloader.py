@@ -294,8 +294,8 @@ def test_the_window_starts_a_chunk_when_its_parts_fit_beside_those_in_flight(tmp
     part lands and none of the earlier chunks' parts queues for a slot, its own parts
     taking slots only after theirs, so chunks land in the order they are read. Before,
     every chunk of the window started at once, each slot a part freed went to a later
-    chunk, and the chunks landed together (docs/cache.md, "Where a cold epoch's time
-    goes")."""
+    chunk, and the chunks landed together (docs/performance.md, "Where a cold epoch's
+    time went")."""
     size, part = 4 << 20, 1 << 20
     objects = _objects(4, size)
     storage = _Traced(objects, hold=("c0.bin", 3 * part))  # c0's last part lands last
