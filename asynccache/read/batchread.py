@@ -2,60 +2,78 @@
 
 A batch can be assembled without decoding its items one by one when every item of it
 has the same *form*: the same tree (dicts with the same keys in the same order, lists
-and tuples of the same length) whose leaves have fixed shapes and dtypes:
+and tuples of the same length) whose leaves are:
 
-* numpy arrays and torch tensors of a numeric or bool dtype, stored uncompressed: each
-  is a run of bytes at a known offset of the item, copied into row ``j`` of the leaf's
-  ``(B, *shape)`` region of the buffer;
-* Python ints (64-bit), floats and bools: their values, gathered into an int64 /
-  float64 / bool row.
+* numpy arrays and torch tensors of a numeric or bool dtype, stored uncompressed, of
+  one shape: each is a run of bytes at a known offset of the item, copied into row
+  ``j`` of the leaf's ``(B, *shape)`` region of the buffer;
+* Python ints (64-bit), floats and bools, and numeric numpy scalars: their values,
+  gathered into an int64 / float64 / bool / the scalar's dtype row;
+* with ``objects`` (see :class:`FormCache`), strings and bytes: gathered into a list per
+  leaf (:func:`assemble_into` returns them), as ``default_collate`` leaves them.
 
 A token block (``TokenBlocks``) is a single array leaf: the block's tokens.
 
-What the buffer holds is exactly what ``torch.utils.data.default_collate`` would build
-from the decoded items (the torch layer wraps the regions as tensors): the same dtypes,
-shapes and bytes. Anything else (str, bytes, None, images, pickled objects, compressed
+What the buffer (and the lists) hold is exactly what ``torch.utils.data.default_collate``
+would build from the decoded items (the torch layer wraps the regions as tensors): the
+same dtypes, shapes and bytes. Anything else (None, images, pickled objects, compressed
 buffers, namedtuples, dataclasses, big ints, items of differing forms) is not assembled
-here; :func:`chunk_forms` reports such items as having no form, and the caller decodes
-and collates them as before.
+here; :meth:`ChunkForms.form_of` reports such items as having no form, and the caller
+decodes and collates them as before.
 
-Forms are learned per chunk, lazily, for the items a batch asks for: an item whose
-header bytes equal those of an item already seen shares its form and values (one
-vectorised comparison for the items of a chunk of equal-size items); any other item's
-header is parsed once.
+Forms are learned per chunk, for every item of a batch's chunks at once: the item
+headers are read in one gather from the mapping and decoded with numpy against header
+*templates* (:mod:`asynccache.format.headers`: a header with its values cut out), the
+templates of a :class:`FormCache` first (learned from earlier chunks of the dataset),
+then new ones cut from the first item that none reads. Nothing is done per item in
+Python. The first ask of a chunk reads only the batch's own items (it is waited for);
+the next reads the rest of the chunk.
 
 Memory: given a chunk mapping that carries its open file (``fd``, the reader's
-``ChunkMap``), rows of at least ``_LARGE_ROW`` bytes are copied from the file with
-``preadv`` straight into the batch buffer (one copy per byte, from the page cache), and the
-headers of items that share one are compared by ``pread`` (the few pages mapped to parse
-a header are dropped again); the page cache then holds the chunk, not the reading process
-(its PSS). Smaller rows are copied through the mapping, vectorised (a system call per
-row would cost more than the row).
+``ChunkMap``), rows of at least ``_LARGE_ROW`` bytes (and bytes leaves of such chunks)
+are copied from the file with ``preadv`` straight into their destination (one copy per
+byte, from the page cache), and the pages mapped to read the headers of such a chunk are
+dropped again; the page cache then holds the chunk, not the reading process (its PSS).
+Smaller rows are copied through the mapping, vectorised (a system call per row would
+cost more than the row).
 
 Layer: above :mod:`asynccache.format`; pure (numpy and msgpack), torch-free.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from ..errors import TruncatedChunkError
+from ..format import headers
+from ..format.headers import Slot, Template
 
-__all__ = ["ChunkForms", "Form", "Leaf", "assemble_into", "copy_rows", "layout"]
+__all__ = [
+    "ChunkForms",
+    "Form",
+    "FormCache",
+    "Leaf",
+    "assemble_into",
+    "copy_rows",
+    "layout",
+]
 
-_U32 = struct.Struct("<I")
 ALIGN = 64
 _LARGE_ROW = 16 << 10  # rows at least this large are copied one by one, without a temporary
 _SCALAR = {"i": np.dtype(np.int64), "f": np.dtype(np.float64), "b": np.dtype(np.bool_)}
 _ARRAY_KINDS = frozenset("biufc")
+OBJECT_KINDS = frozenset("sy")  # str / bytes leaves: a list per leaf, not a region
+_HEADER_CAP = 16 << 10  # longer headers are not read in bulk (their items: no form)
+_GATHER_BYTES = 32 << 20  # header bytes gathered at once, at most
+_NEW_TEMPLATES = 8  # templates cut per ask; items none of them reads have no form
+_KEEP_TEMPLATES = 16  # templates a FormCache keeps (the most recently useful)
 # torch dtype names of tensor leaves this module copies, and their numpy twins (for size).
 _TORCH = {
     "bool": "?",
@@ -78,9 +96,11 @@ _TORCH = {
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One leaf of a form: ``kind`` ``"a"`` (numpy array), ``"t"`` (torch tensor) or a
-    scalar kind ``"i"``/``"f"``/``"b"``; ``dtype`` the numpy dtype string of an array,
-    the torch dtype name of a tensor, the row dtype of a scalar; ``shape`` per item."""
+    """One leaf of a form: ``kind`` ``"a"`` (numpy array), ``"t"`` (torch tensor), a
+    scalar kind ``"i"``/``"f"``/``"b"``, ``"g"`` (numpy scalar), ``"s"`` (str) or
+    ``"y"`` (bytes); ``dtype`` the numpy dtype string of an array or numpy scalar, the
+    torch dtype name of a tensor, the row dtype of a scalar, ``""`` for str / bytes;
+    ``shape`` per item (``()`` for scalars, str and bytes)."""
 
     kind: str
     dtype: str
@@ -90,6 +110,8 @@ class Leaf:
     def itemsize(self) -> int:
         if self.kind == "t":
             return np.dtype(_TORCH[self.dtype]).itemsize
+        if self.kind in OBJECT_KINDS:
+            return 0
         return np.dtype(self.dtype).itemsize
 
     @property
@@ -112,34 +134,72 @@ class Form:
     leaves: tuple[Leaf, ...]
 
     def regions(self, batch: int) -> tuple[list[int], int]:
-        """Byte offsets of each leaf's ``(batch, *shape)`` region and the total size."""
+        """Byte offsets of each leaf's ``(batch, *shape)`` region and the total size
+        (str and bytes leaves take none)."""
         offsets, pos = [], 0
         for leaf in self.leaves:
             offsets.append(pos)
             pos += -(-leaf.nbytes * batch // ALIGN) * ALIGN
         return offsets, max(pos, ALIGN)
 
+    @property
+    def objects(self) -> bool:
+        """Some leaf is a str or bytes (collated as a list)."""
+        return any(leaf.kind in OBJECT_KINDS for leaf in self.leaves)
 
-def _walk(node: list[Any], leaves: list[Leaf], where: list[Any]) -> Tree | None:
-    """The form tree of ``node``; appends its leaves and, per leaf, where its data is
-    (a buffer index for arrays, the value for scalars). None: not assemblable."""
+
+# Where a leaf's data is in a template's columns: ("slot", column) for values,
+# ("buf", offset column, nbytes column) for buffers.
+Source = tuple[Any, ...]
+
+
+def _walk(
+    node: Any, buffers: Any, leaves: list[Leaf], where: list[Source], objects: bool
+) -> Tree | None:
+    """The form tree of a template's ``node``; appends its leaves and where each leaf's
+    data is. None: not assemblable."""
     tag = node[0]
     if tag in _SCALAR:
+        if not isinstance(node[1], Slot):
+            return None
         leaves.append(Leaf(tag, _SCALAR[tag].str, ()))
-        where.append(node[1])
+        where.append(("slot", node[1].index))
         return ("leaf", len(leaves) - 1)
-    if tag == "a":
+    if tag == "g":
         dt = np.dtype(node[1])
-        if dt.kind not in _ARRAY_KINDS or (not dt.isnative and dt.itemsize > 1):
+        # (default_collate can't make a tensor of numpy uint64 scalars)
+        if dt.kind not in _ARRAY_KINDS or not dt.isnative or dt == np.uint64:
             return None
-        leaves.append(Leaf("a", dt.str, tuple(node[2])))
-        where.append(node[3])
+        if not isinstance(node[2], Slot):
+            return None
+        leaves.append(Leaf("g", dt.str, ()))
+        where.append(("slot", node[2].index))
         return ("leaf", len(leaves) - 1)
-    if tag == "t":
-        if node[1] not in _TORCH:
+    if tag in ("a", "t", "y"):
+        if tag == "a":
+            dt = np.dtype(node[1])
+            if dt.kind not in _ARRAY_KINDS or (not dt.isnative and dt.itemsize > 1):
+                return None
+            leaf = Leaf("a", dt.str, tuple(node[2]))
+        elif tag == "t":
+            if node[1] not in _TORCH:
+                return None
+            leaf = Leaf("t", node[1], tuple(node[2]))
+        elif objects:
+            leaf = Leaf("y", "", ())
+        else:
             return None
-        leaves.append(Leaf("t", node[1], tuple(node[2])))
-        where.append(node[3])
+        entry = buffers[node[-1]]
+        if len(entry) != 2:  # compressed: the leaf is decoded, not copied
+            return None
+        leaves.append(leaf)
+        where.append(("buf", entry[0].index, entry[1].index))
+        return ("leaf", len(leaves) - 1)
+    if tag == "s":
+        if not objects or not isinstance(node[1], Slot):
+            return None
+        leaves.append(Leaf("s", "", ()))
+        where.append(("slot", node[1].index))
         return ("leaf", len(leaves) - 1)
     if tag == "d":
         keys = []
@@ -147,54 +207,90 @@ def _walk(node: list[Any], leaves: list[Leaf], where: list[Any]) -> Tree | None:
             if k[0] not in ("s", "i"):
                 return None
             keys.append(k[1])
-        children = _walk_all(node[2], leaves, where)
+        children = _walk_all(node[2], buffers, leaves, where, objects)
         return None if children is None else ("dict", tuple(keys), children)
     if tag in ("l", "u"):
-        children = _walk_all(node[1], leaves, where)
+        children = _walk_all(node[1], buffers, leaves, where, objects)
         return None if children is None else ("list", children)
     return None
 
 
-def _walk_all(nodes: Any, leaves: list[Leaf], where: list[Any]) -> tuple[Any, ...] | None:
+def _walk_all(
+    nodes: Any, buffers: Any, leaves: list[Leaf], where: list[Source], objects: bool
+) -> tuple[Any, ...] | None:
     """:func:`_walk` of each node; None as soon as one has no form."""
     out = []
     for v in nodes:
-        sub = _walk(v, leaves, where)
+        sub = _walk(v, buffers, leaves, where, objects)
         if sub is None:
             return None
         out.append(sub)
     return tuple(out)
 
 
-def parse(buf: Any, start: int, end: int) -> tuple[Form, list[Any]] | None:
-    """The form of the item in ``buf[start:end]`` and, per leaf, its absolute byte
-    offset (arrays) or value (scalars); None when the item can't be assembled (or is
-    malformed: the per-item path then reports it)."""
-    try:
-        (hlen,) = _U32.unpack_from(buf, start)
-        tree, offsets = msgpack.unpackb(
-            buf[start + 4 : start + 4 + hlen], raw=False, use_list=True, strict_map_key=False
-        )
-    except Exception:
-        return None
-    leaves: list[Leaf] = []
-    where: list[Any] = []
-    try:
-        form_tree = _walk(tree, leaves, where)
-    except Exception:
-        return None
-    if form_tree is None:
-        return None
-    for i, leaf in enumerate(leaves):
-        if leaf.kind in ("a", "t"):
-            try:
-                off, n, *codec = offsets[where[i]]
-            except (IndexError, TypeError, ValueError):
-                return None
-            if codec or n != leaf.nbytes or off < 0 or start + off + n > end:
-                return None
-            where[i] = start + off
-    return Form(form_tree, tuple(leaves)), where
+class _Known:
+    """A header template and the form of the items it reads (None: no form)."""
+
+    __slots__ = ("form", "template", "where")
+
+    def __init__(self, template: Template, objects: bool) -> None:
+        self.template = template
+        leaves: list[Leaf] = []
+        where: list[Source] = []
+        try:
+            tree = _walk(template.tree, template.buffers, leaves, where, objects)
+        except (IndexError, TypeError, ValueError, AttributeError):
+            tree = None
+        self.form = None if tree is None else Form(tree, tuple(leaves))
+        self.where = where
+
+
+class FormCache:
+    """The forms of one dataset's mapped chunks (at most ``max_chunks``, least recently
+    used first out), and the header templates learned from them, for every later chunk.
+
+    Args:
+        max_chunks: chunks whose forms are kept (each holds its chunk's mapping).
+        objects: str and bytes leaves are part of a form (the caller carries the lists
+            :func:`assemble_into` returns to the consumer); else their items have none.
+
+    Invariant: a chunk's forms are used only with the mapping they were learned from;
+    templates hold no mapping and survive :meth:`clear` and pickling (a DataLoader
+    worker starts with those its parent learned).
+    """
+
+    def __init__(self, max_chunks: int, *, objects: bool = False) -> None:
+        self.max_chunks, self.objects = max_chunks, objects
+        self.known: list[_Known] = []
+        self._chunks: collections.OrderedDict[int, ChunkForms] = collections.OrderedDict()
+
+    def get(self, chunk: int, buf: Any, offsets: np.ndarray) -> ChunkForms:
+        """The forms of ``chunk``, mapped as ``buf`` with item offsets ``offsets``."""
+        cf = self._chunks.get(chunk)
+        if cf is None or cf.buf is not buf:
+            cf = self._chunks[chunk] = ChunkForms(buf, offsets, cache=self)
+            while len(self._chunks) > self.max_chunks:
+                self._chunks.popitem(last=False)
+        self._chunks.move_to_end(chunk)
+        return cf
+
+    def clear(self) -> None:
+        """Drop every chunk's forms (and so their mappings); keep the templates."""
+        self._chunks.clear()
+
+    def _used(self, known: _Known) -> None:
+        """``known`` read some items: first in line for the next chunk."""
+        if self.known and self.known[0] is known:
+            return
+        if known in self.known:
+            self.known.remove(known)
+        self.known.insert(0, known)
+        del self.known[_KEEP_TEMPLATES:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_chunks"] = collections.OrderedDict()  # a process's own mappings
+        return state
 
 
 class ChunkForms:
@@ -203,13 +299,16 @@ class ChunkForms:
     Args:
         buf: the chunk's bytes (a mapping or bytes-like).
         offsets: the item offsets table (``count + 1`` int64 values).
+        cache: the dataset's :class:`FormCache` (templates shared with its other
+            chunks, and whether str / bytes leaves have a form); None: a private one.
     """
 
-    def __init__(self, buf: Any, offsets: np.ndarray) -> None:
+    def __init__(self, buf: Any, offsets: np.ndarray, cache: FormCache | None = None) -> None:
         self.buf = buf
         self.u8 = np.frombuffer(buf, np.uint8)
-        self.offsets = offsets
+        self.offsets = np.asarray(offsets, np.int64)
         n = len(offsets) - 1
+        self.cache = cache if cache is not None else FormCache(1)
         # The chunk's open file, when ``buf`` carries one: large rows are read from it.
         self.fd: int | None = getattr(buf, "fd", None)
         self.path: str = getattr(buf, "path", "chunk")
@@ -220,45 +319,106 @@ class ChunkForms:
             and int(offsets[-1] - offsets[0]) >= _LARGE_ROW * n
             and hasattr(buf, "madvise")
         )
-        self.form_id = np.full(n, -2, np.int64)  # -2 not parsed yet, -1 no form
+        self.form_id = np.full(n, -2, np.int64)  # -2 not read yet, -1 no form
         self.forms: list[Form] = []
         self._index: dict[Form, int] = {}
-        # Per form, per leaf, per item: the leaf's absolute byte offset (arrays, int64)
-        # or its value (scalars, in the leaf's dtype).
+        # Per form, per leaf, per item: the leaf's absolute byte offset (arrays, int64),
+        # its value (scalars, in the leaf's dtype), or its absolute start and length in
+        # bytes (str / bytes, an (n, 2) int64).
         self.tables: list[list[np.ndarray]] = []
-        sizes = np.diff(offsets) if n else np.zeros(0, np.int64)
-        # Equal-size items: their headers can be compared as rows of a strided view.
-        self._size = int(sizes[0]) if n > 1 and bool(np.all(sizes == sizes[0])) else 0
-        self.item_size = self._size  # 0: items of differing sizes
+        sizes = np.diff(self.offsets) if n else np.zeros(0, np.int64)
+        # Equal-size items: their rows are rows of a strided view of the chunk.
+        self.item_size = int(sizes[0]) if n > 1 and bool(np.all(sizes == sizes[0])) else 0
         self._asked = False
 
     def _learn(self, positions: np.ndarray) -> None:
-        todo = positions[self.form_id[positions] == -2]
-        if not len(todo):
+        if not len(positions) or bool(np.all(self.form_id[positions] != -2)):
             return
-        todo = np.sort(todo)  # (duplicates are skipped below; np.unique imports numpy.ma)
-        # The first batch compares only its own items (it is waited for); later ones
-        # sweep the rest of the chunk at once.
-        sweep = self._asked
+        if self._asked:  # the chunk's second ask: every item not read yet, at once
+            todo = np.flatnonzero(self.form_id == -2)
+        else:  # the first: the batch's own (it is waited for)
+            todo = np.sort(positions[self.form_id[positions] == -2])
+            if len(todo) > 1:  # (np.unique imports numpy.ma)
+                todo = todo[np.concatenate(([True], todo[1:] != todo[:-1]))]
         self._asked = True
-        for p in todo.tolist():
-            if self.form_id[p] != -2:
-                continue
-            self._parse_one(p)
-            if self._size and self.form_id[p] >= 0:
-                # The items not parsed yet whose header is this one's.
-                rest = np.flatnonzero(self.form_id == -2) if sweep else todo
-                self._copy_same_headers(p, rest)
+        starts, ends = self.offsets[todo], self.offsets[todo + 1]
+        lens = headers.lengths(self.u8, starts, ends, _HEADER_CAP)
+        self.form_id[todo[lens < 0]] = -1
+        block = max(1, _GATHER_BYTES // (int(lens.max(initial=0)) + 16))
+        for a in range(0, len(todo), block):
+            rows = headers.gather(self.u8, starts[a : a + block], lens[a : a + block])
+            self._read(todo[a : a + block], rows, lens[a : a + block])
         if self._drop:
-            self.buf.madvise(mmap.MADV_DONTNEED)  # the headers are parsed: unmap their pages
+            self.buf.madvise(mmap.MADV_DONTNEED)  # the headers are read: unmap their pages
 
-    def _parse_one(self, p: int) -> None:
-        a, b = int(self.offsets[p]), int(self.offsets[p + 1])
-        got = parse(self.buf, a, b)
-        if got is None:
+    def _read(self, todo: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> None:
+        """Assign a form (or none) to items ``todo``, whose headers are ``rows``."""
+        left = np.flatnonzero(lens >= 0)
+        for known in list(self.cache.known):
+            if not len(left):
+                return
+            left = self._apply(known, todo, rows, lens, left)
+        new = 0
+        while len(left):
+            if new == _NEW_TEMPLATES:  # a chunk of many shapes: the rest are collated
+                self.form_id[todo[left]] = -1
+                return
+            j = int(left[0])
+            tpl = headers.compile_header(rows[j, : lens[j]].tobytes())
+            if tpl is None:
+                self.form_id[todo[j]] = -1
+                left = left[1:]
+                continue
+            new += 1
+            known = _Known(tpl, self.cache.objects)
+            after = self._apply(known, todo, rows, lens, left)
+            if len(after) and after[0] == j:  # its own header unread: not one it can cut
+                self.form_id[todo[j]] = -1
+                after = after[1:]
+            left = after
+
+    def _apply(
+        self, known: _Known, todo: np.ndarray, rows: np.ndarray, lens: np.ndarray, left: np.ndarray
+    ) -> np.ndarray:
+        """Items ``todo[left]`` that ``known``'s template reads get its form (or none, or
+        none when a buffer lies outside the item); returns the others."""
+        sub = rows if len(left) == len(rows) else rows[left]
+        ok, cols = headers.match(known.template, sub, lens[left])
+        if not ok.any():
+            return left
+        self.cache._used(known)
+        hit = np.flatnonzero(ok)
+        p = todo[left[hit]]
+        form = known.form
+        if form is None:
             self.form_id[p] = -1
-            return
-        form, where = got
+            return left[~ok]
+        fid = self._fid(form)
+        start = self.offsets[p]
+        size = self.offsets[p + 1] - start
+        good = np.ones(len(p), bool)
+        for leaf, src, table in zip(form.leaves, known.where, self.tables[fid], strict=True):
+            if src[0] == "buf":
+                off, n = cols[src[1]][hit], cols[src[2]][hit]
+                good &= (off >= 0) & (n >= 0) & (off + n <= size)
+                if leaf.kind == "y":
+                    table[p, 0], table[p, 1] = start + off, n
+                else:
+                    good &= n == leaf.nbytes
+                    table[p] = start + off
+                continue
+            col = cols[src[1]][hit]
+            if leaf.kind == "s":  # (start in the header, after its length word)
+                table[p, 0], table[p, 1] = start + 4 + col[:, 0], col[:, 1]
+            elif leaf.kind == "g":
+                table[p] = np.ascontiguousarray(col).view(table.dtype).reshape(len(p))
+            else:
+                table[p] = col
+        self.form_id[p[good]] = fid
+        self.form_id[p[~good]] = -1  # (the per-item path reports them)
+        return left[~ok]
+
+    def _fid(self, form: Form) -> int:
         fid = self._index.get(form)
         if fid is None:
             fid = self._index[form] = len(self.forms)
@@ -266,46 +426,13 @@ class ChunkForms:
             n = len(self.form_id)
             self.tables.append(
                 [
-                    np.zeros(n, np.int64 if leaf.kind in ("a", "t") else np.dtype(leaf.dtype))
+                    np.zeros((n, 2), np.int64)
+                    if leaf.kind in OBJECT_KINDS
+                    else np.zeros(n, np.int64 if leaf.kind in ("a", "t") else np.dtype(leaf.dtype))
                     for leaf in form.leaves
                 ]
             )
-        for col, w in zip(self.tables[fid], where, strict=True):
-            col[p] = w
-        self.form_id[p] = fid
-
-    def _copy_same_headers(self, p: int, todo: np.ndarray) -> None:
-        """Items of ``todo`` (not parsed yet) whose header bytes equal item ``p``'s share
-        its form and scalar values; their array offsets are ``p``'s shifted by the distance."""
-        rest = todo[self.form_id[todo] == -2]
-        if not len(rest):
-            return
-        a = int(self.offsets[p])
-        (hlen,) = _U32.unpack_from(self.buf, a)
-        width = 4 + hlen  # the length word is compared too: a longer header differs
-        base = int(self.offsets[0])
-        if self._drop:  # large items: read just the headers (a mapped page each otherwise)
-            assert self.fd is not None
-            starts = (base + rest * self._size).tolist()
-            got = b"".join([os.pread(self.fd, width, o) for o in starts])
-            if len(got) != width * len(starts):
-                raise TruncatedChunkError(f"{self.path}: the file ends inside an item header")
-            rows = np.frombuffer(got, np.uint8).reshape(len(starts), width)
-        else:
-            rows = np.lib.stride_tricks.as_strided(
-                self.u8[base:],
-                shape=(len(self.form_id), width),
-                strides=(self._size, 1),
-                writeable=False,
-            )[rest]
-        same = rest[np.all(rows == self.u8[a : a + width], axis=1)]
-        if not len(same):
-            return
-        fid = int(self.form_id[p])
-        shift = self.offsets[same] - a
-        for leaf, col in zip(self.forms[fid].leaves, self.tables[fid], strict=True):
-            col[same] = col[p] + shift if leaf.kind in ("a", "t") else col[p]
-        self.form_id[same] = fid
+        return fid
 
     def form_of(self, positions: np.ndarray) -> Form | None:
         """The form all items ``positions`` share; None if any has none or they differ."""
@@ -317,11 +444,56 @@ class ChunkForms:
         return self.forms[first]
 
     def leaf_data(self, form: Form, positions: np.ndarray, leaf: int) -> np.ndarray:
-        """Leaf ``leaf`` of items ``positions``: absolute offsets (int64) or values."""
+        """Leaf ``leaf`` of items ``positions``: absolute offsets (int64), values, or
+        (start, length) pairs (str / bytes)."""
         for fid, f in enumerate(self.forms):  # (by identity first: a form hashes deeply)
             if f is form:
                 return self.tables[fid][leaf][positions]
         return self.tables[self._index[form]][leaf][positions]
+
+    def objects(self, form: Form, positions: np.ndarray, leaf: int) -> list[Any]:
+        """The str or bytes values of leaf ``leaf`` of items ``positions``, as a list.
+
+        Raises:
+            TruncatedChunkError: the chunk's file ends inside a bytes value.
+        """
+        spans = self.leaf_data(form, positions, leaf)
+        if form.leaves[leaf].kind == "s":
+            return _strings(self.u8, spans)
+        pairs = zip(spans[:, 0].tolist(), spans[:, 1].tolist(), strict=True)
+        if self._drop:  # large items: from the file, no page of the chunk mapped here
+            assert self.fd is not None
+            out = [os.pread(self.fd, n, o) for o, n in pairs]
+            if any(len(b) != n for b, n in zip(out, spans[:, 1].tolist(), strict=True)):
+                raise TruncatedChunkError(f"{self.path}: the file ends inside an item's bytes")
+            return out
+        buf = self.buf
+        if isinstance(buf, (bytes, mmap.mmap)):
+            return [buf[o : o + n] for o, n in pairs]
+        return [self.u8[o : o + n].tobytes() for o, n in pairs]
+
+
+def _strings(u8: np.ndarray, spans: np.ndarray) -> list[str]:
+    """The UTF-8 strings at ``spans`` (absolute start, length) of ``u8``: one gather and
+    one decode for all of them (joined by NUL, split again), unless one holds a NUL."""
+    starts, lens = spans[:, 0], spans[:, 1]
+    k = len(lens)
+    total = int(lens.sum())
+    if not total:
+        return [""] * k
+    ends = np.cumsum(lens)
+    # Byte j of the joined run: string r's byte (j - r - its first), where r is the
+    # string it falls in; a NUL between strings.
+    idx = np.repeat(starts - (ends - lens), lens) + np.arange(total)
+    raw = u8[idx]
+    if not raw.all():  # a NUL inside a string: split would cut it
+        return [
+            u8[s : s + n].tobytes().decode("utf-8")
+            for s, n in zip(starts.tolist(), lens.tolist(), strict=True)
+        ]
+    joined = np.zeros(total + k - 1, np.uint8)
+    joined[np.arange(total) + np.repeat(np.arange(k), lens)] = raw
+    return joined.tobytes().decode("utf-8").split("\0")
 
 
 def layout(form: Form, batch: int) -> tuple[list[int], int]:
@@ -334,10 +506,15 @@ def assemble_into(
     form: Form,
     parts: Sequence[tuple[ChunkForms, np.ndarray, np.ndarray]],
     batch: int,
-) -> None:
+) -> list[list[Any]] | None:
     """Copy the items of ``parts`` into ``out`` (uint8, at least ``layout(form, batch)``
-    bytes): each part is ``(chunk forms, positions in the chunk, rows of the batch)``."""
+    bytes): each part is ``(chunk forms, positions in the chunk, rows of the batch)``.
+
+    Returns the values of the form's str / bytes leaves, a list of ``batch`` per such
+    leaf in leaf order (for ``batches.wrap``); None when it has none.
+    """
     regions, _ = form.regions(batch)
+    objects: list[list[Any]] | None = None
     for i, leaf in enumerate(form.leaves):
         start = regions[i]
         if leaf.kind in ("a", "t"):
@@ -348,11 +525,24 @@ def assemble_into(
             for cf, pos, sel in parts:
                 offs = cf.leaf_data(form, pos, i)
                 copy_rows(cf.u8, offs, n, rows, sel, pos, cf.item_size, fd=cf.fd, name=cf.path)
+        elif leaf.kind in OBJECT_KINDS:
+            if objects is None:
+                objects = []
+            if len(parts) == 1 and np.array_equal(parts[0][2], np.arange(batch)):
+                objects.append(parts[0][0].objects(form, parts[0][1], i))
+                continue
+            vals = np.empty(batch, object)
+            for cf, pos, sel in parts:
+                got = np.empty(len(pos), object)
+                got[:] = cf.objects(form, pos, i)
+                vals[sel] = got
+            objects.append(vals.tolist())
         else:
             dt = np.dtype(leaf.dtype)
             vals = out[start : start + dt.itemsize * batch].view(dt)
             for cf, pos, sel in parts:
                 vals[sel] = cf.leaf_data(form, pos, i)
+    return objects
 
 
 def copy_rows(

@@ -51,7 +51,7 @@ import torch
 
 from ..bridge.lifeline import pid_alive
 from ..errors import ConfigError
-from ..read.batchread import Form
+from ..read.batchread import OBJECT_KINDS, Form
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
 POOL_BYTES = 256 << 20  # ... and no more than about this much (at least 2 buffers)
@@ -113,6 +113,8 @@ def _free(token: str, row: int, slot: int, mark: int) -> None:
 def _first_tensor(data: Any) -> torch.Tensor | None:
     if isinstance(data, torch.Tensor):
         return data
+    if isinstance(data, (str, bytes)):
+        return None
     for v in data.values() if isinstance(data, dict) else data:
         t = _first_tensor(v)
         if t is not None:
@@ -141,6 +143,7 @@ def _unpickled(
     form: Form,
     n: int,
     storage: Any,
+    objects: list[list[Any]] | None = None,
 ) -> Any:
     """In the consumer: the batch in slot ``slot`` of worker row ``row``.
 
@@ -159,7 +162,7 @@ def _unpickled(
     got = maps.get((row, slot))
     if got is None or got[0] != buffer_id:  # not acknowledged, so never sent without it
         raise RuntimeError(f"batch buffer {buffer_id} of worker row {row} was never received")
-    return _received(wrap(form, torch.from_numpy(got[1]), n), token, row, slot, mark)
+    return _received(wrap(form, torch.from_numpy(got[1]), n, objects), token, row, slot, mark)
 
 
 class Pooled:
@@ -248,11 +251,19 @@ class Pool:
             return -1, torch.empty(nbytes, dtype=torch.uint8)
         return -1, shared_bytes(nbytes)
 
-    def send(self, form: Form, n: int, slot: int, buf: torch.Tensor) -> Any:
-        """The batch of ``n`` rows laid out by ``form`` in slot ``slot``'s buffer ``buf``,
+    def send(
+        self,
+        form: Form,
+        n: int,
+        slot: int,
+        buf: torch.Tensor,
+        objects: list[list[Any]] | None = None,
+    ) -> Any:
+        """The batch of ``n`` rows laid out by ``form`` in slot ``slot``'s buffer ``buf``
+        (its str / bytes leaves' lists: ``objects``, as ``assemble_into`` returned them),
         as the consumer will get it; the slot is busy until the consumer drops it."""
         if slot < 0:
-            return wrap(form, buf, n)
+            return wrap(form, buf, n, objects)
         mark = self._id()
         self.cells[slot] = mark
         if not self.here and not self._owned():
@@ -263,63 +274,74 @@ class Pool:
             count(self.block, self.row, "unpooled_buffers")
             out = shared_bytes(buf.numel())
             out.numpy()[:] = buf.numpy()  # (numpy: no torch thread pool in a forked worker)
-            return wrap(form, out, n)
+            return wrap(form, out, n, objects)
         if self.here:
-            return _received(wrap(form, buf, n), self.token, self.row, slot, mark)
+            return _received(wrap(form, buf, n, objects), self.token, self.row, slot, mark)
         buffer_id = self.ids[slot]
         storage = None
         if int(self.acks[slot]) != buffer_id:  # the consumer has not mapped it yet
             storage = buf.untyped_storage()
             count(self.block, self.row, "sent_buffers")
-        return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage)
+        return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage, objects)
 
 
 _TORCH_DTYPES: dict[tuple[str, str], torch.dtype | None] = {}
 
 
 def torch_dtype(kind: str, dtype: str) -> torch.dtype | None:
-    """The torch dtype of a leaf as ``default_collate`` would make it (None: none)."""
+    """The torch dtype of a leaf as ``default_collate`` would make it (None: none, or a
+    str / bytes leaf, which is a list)."""
     key = (kind, dtype)
     if key not in _TORCH_DTYPES:
         got: torch.dtype | None
         if kind == "t":
             got = getattr(torch, dtype, None)
             got = got if isinstance(got, torch.dtype) else None
-        elif kind == "a":
+        elif kind in ("a", "g"):
             try:
                 got = torch.from_numpy(np.empty(0, np.dtype(dtype))).dtype
             except (TypeError, ValueError):
                 got = None
         else:
-            got = {"i": torch.int64, "f": torch.float64, "b": torch.bool}[kind]
+            got = {"i": torch.int64, "f": torch.float64, "b": torch.bool}.get(kind)
         _TORCH_DTYPES[key] = got
     return _TORCH_DTYPES[key]
 
 
-def supported(form: Form) -> bool:
-    """Every leaf of ``form`` has a torch dtype (else the batch is collated per item)."""
-    return all(torch_dtype(leaf.kind, leaf.dtype) is not None for leaf in form.leaves)
+def supported(form: Form, objects: bool = False) -> bool:
+    """Every leaf of ``form`` has a torch dtype, or is a str / bytes leaf and the caller
+    carries their lists (``objects``); else the batch is collated per item."""
+    return all(
+        (objects and leaf.kind in OBJECT_KINDS) or torch_dtype(leaf.kind, leaf.dtype) is not None
+        for leaf in form.leaves
+    )
 
 
-def wrap(form: Form, buf: torch.Tensor, batch: int) -> Any:
+def wrap(form: Form, buf: torch.Tensor, batch: int, objects: list[list[Any]] | None = None) -> Any:
     """The batch ``default_collate`` would build, as views of ``buf`` (laid out by
-    :meth:`Form.regions` for ``batch`` rows)."""
+    :meth:`Form.regions` for ``batch`` rows), with ``objects`` (the str / bytes leaves'
+    values, in leaf order) as lists (tuples under a list or tuple, as default_collate
+    leaves them there)."""
     regions, _ = form.regions(batch)
-    tensors = []
+    values: list[Any] = []
+    spare = iter(objects or ())
     for leaf, start in zip(form.leaves, regions, strict=True):
+        if leaf.kind in OBJECT_KINDS:
+            values.append(next(spare))
+            continue
         dt = torch_dtype(leaf.kind, leaf.dtype)
         assert dt is not None
         n = leaf.nbytes * batch
-        tensors.append(buf[start : start + n].view(dt).reshape(batch, *leaf.shape))
+        values.append(buf[start : start + n].view(dt).reshape(batch, *leaf.shape))
+    return _build(form.tree, values, False)
 
-    return _build(form.tree, tensors)
 
-
-def _build(node: tuple[Any, ...], tensors: list[torch.Tensor]) -> Any:
+def _build(node: tuple[Any, ...], values: list[Any], in_seq: bool) -> Any:
     # (A module function, not a closure: a recursive closure is a reference cycle, which
     # would keep the batch's storage alive until the garbage collector ran.)
     if node[0] == "leaf":
-        return tensors[node[1]]
+        v = values[node[1]]
+        return tuple(v) if in_seq and isinstance(v, list) else v
     if node[0] == "dict":
-        return {k: _build(c, tensors) for k, c in zip(node[1], node[2], strict=True)}
-    return [_build(c, tensors) for c in node[1]]
+        return {k: _build(c, values, False) for k, c in zip(node[1], node[2], strict=True)}
+    return [_build(c, values, True) for c in node[1]]
