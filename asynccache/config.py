@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 PREFIX = "ASYNCCACHE_"
 DEFAULT_PART_BYTES = 8 << 20
+DEFAULT_MAX_INDEX_BYTES = 64 << 20
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -68,6 +69,12 @@ class Settings:
     min_bytes_per_s: int = 4 << 10
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
+    # Throttling answers (429, 503, SlowDown) are waited out for this many seconds of
+    # backoff per request, however many they are; they don't count against retries.
+    throttle_patience_s: float = 120.0
+    # The most bytes an index.json may have (version 2 keeps it small; a version-1 index
+    # holds an entry per chunk): a larger body is refused before it is read whole.
+    max_index_bytes: int = DEFAULT_MAX_INDEX_BYTES
     log_level: str | None = None
     progress: bool = True
     verify_tls: bool = True
@@ -96,18 +103,26 @@ class Settings:
     receive: str = "direct"
 
     def __post_init__(self) -> None:
-        for name in ("max_cache_bytes", "part_bytes"):
+        for name in ("max_cache_bytes", "part_bytes", "max_index_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_concurrency",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_var(name)} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("prefetch_chunks", "retries", "min_bytes_per_s", "first_read_bytes"):
-            if getattr(self, name) < 0:
+        for name in (
+            "prefetch_chunks",
+            "retries",
+            "min_bytes_per_s",
+            "first_read_bytes",
+            "throttle_patience_s",
+        ):
+            if not getattr(self, name) >= 0:
                 raise ConfigError(f"{_var(name)} must be >= 0, got {getattr(self, name)!r}")
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s", "worker_start_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{_var(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.throttle_patience_s == float("inf"):
+            raise ConfigError(f"{_var('throttle_patience_s')} must be finite (waits are bounded)")
         if self.receive not in ("direct", "aiohttp"):
             raise ConfigError(
                 f"{_var('receive')} must be 'direct' or 'aiohttp', got {self.receive!r}"

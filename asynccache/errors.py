@@ -10,8 +10,10 @@ Each class also inherits the builtin a caller would already catch, so
     │   ├── ObjectNotFoundError (FileNotFoundError)   missing bucket, key, file
     │   ├── AuthError (PermissionError)               rejected or missing credentials
     │   ├── TransientError                            5xx, 429, resets, short reads
-    │   │   └── StorageTimeoutError (TimeoutError)    no answer within the timeout
+    │   │   ├── StorageTimeoutError (TimeoutError)    no answer within the timeout
+    │   │   └── ThrottledError                        429, 503, SlowDown: the service asks to wait
     │   └── RetriesExhaustedError                     transient errors outlived the retry budget
+    │       └── ThrottleTimeoutError (TimeoutError)   throttled past ASYNCCACHE_THROTTLE_PATIENCE_S
     ├── DataError (ValueError)             a file's bytes are not what they must be
     │   ├── BadMagicError                  not an asynccache chunk
     │   ├── UnsupportedVersionError        written by a format version we can't read
@@ -58,6 +60,8 @@ __all__ = [
     "SerializationError",
     "StorageError",
     "StorageTimeoutError",
+    "ThrottleTimeoutError",
+    "ThrottledError",
     "TransientError",
     "TruncatedChunkError",
     "UnsafePathError",
@@ -109,12 +113,25 @@ class StorageTimeoutError(TransientError, TimeoutError):
     """The storage did not answer within the configured timeout."""
 
 
+class ThrottledError(TransientError):
+    """The service asked the client to slow down (429, 503, ``SlowDown``, ``ServerBusy``).
+
+    Retried with a patience measured in seconds of backoff
+    (``ASYNCCACHE_THROTTLE_PATIENCE_S``), not against the count of ``ASYNCCACHE_RETRIES``.
+    """
+
+
 class RetriesExhaustedError(StorageError):
     """Transient errors continued past the retry budget."""
 
     def __init__(self, message: str, *, url: str | None = None, attempts: int = 0) -> None:
         super().__init__(message, url=url)
         self.attempts = attempts
+
+
+class ThrottleTimeoutError(RetriesExhaustedError, TimeoutError):
+    """The service kept throttling one request past ``ASYNCCACHE_THROTTLE_PATIENCE_S``
+    seconds of backoff (the message names the URL and the patience)."""
 
 
 class DataError(AsyncCacheError, ValueError):

@@ -139,6 +139,8 @@ class LoopThread:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError as exc:
+            if fut.done():  # the coroutine's own error (TimeoutError is that class too)
+                raise
             fut.cancel()
             raise StorageTimeoutError(f"operation did not finish within {timeout}s") from exc
 

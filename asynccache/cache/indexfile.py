@@ -9,6 +9,16 @@ worker), and a forked child inherits the mapping.
 A mapped index holds a shared ``flock`` on the sidecar for as long as it lives: the cache's
 evictor removes only what it can lock exclusively, so a cached sidecar stays while any
 process has it mapped.
+
+Sizes are bounded before anything is read whole: ``index.json`` by
+``ASYNCCACHE_MAX_INDEX_BYTES`` (a body past it is cut off after that many bytes, never
+read to its end), a sidecar by what the chunk and item counts of the ``index.json`` that
+names it allow (:func:`~asynccache.format.columns.max_size`).
+
+Fetched bytes are judged by :func:`load_fetched`: bytes whose own ``index_checksum``
+vouches for them are what the writer wrote, and an error in them is the index's own;
+bytes that fail it, or carry no intact one and are refused, may have been damaged on the
+way and raise :class:`CorruptIndexError`, which a reader treats as transient.
 """
 
 from __future__ import annotations
@@ -20,15 +30,30 @@ import os
 from typing import Any
 
 from ..bridge import forksafe
-from ..errors import BadIndexError, ObjectNotFoundError
+from ..config import DEFAULT_MAX_INDEX_BYTES
+from ..errors import BadIndexError, CorruptIndexError, ObjectNotFoundError
 from ..format import INDEX_NAME, Index
-from ..format.columns import NAME_RE
-from ..format.index import IndexMeta, load
+from ..format.columns import NAME_RE, max_size
+from ..format.index import IndexMeta, load, verify_sealed_bytes
 from ..storage.base import Storage
 from .fsutil import atomic_write, fsync_dir
 from .locks import try_lock
 
-__all__ = ["discard", "map_sidecar", "read_dir", "read_path", "read_storage", "write_dir"]
+__all__ = [
+    "check_sidecar_size",
+    "discard",
+    "load_fetched",
+    "map_sidecar",
+    "read_bounded",
+    "read_dir",
+    "read_path",
+    "read_storage",
+    "refusal_of",
+    "too_large",
+    "write_dir",
+]
+
+_SETTING = "ASYNCCACHE_MAX_INDEX_BYTES"
 
 
 def map_sidecar(meta: IndexMeta, path: str) -> Index:
@@ -85,21 +110,26 @@ def _reopen(meta: IndexMeta, path: str) -> Index:
     return map_sidecar(meta, path)
 
 
-def read_path(path: str) -> Index:
+def read_path(path: str, *, max_bytes: int = DEFAULT_MAX_INDEX_BYTES) -> Index:
     """The index in file ``path`` (either version; a sidecar is mapped from beside it).
 
     Raises:
         FileNotFoundError: no ``path``.
-        BadIndexError: invalid (names the file at fault).
+        BadIndexError: invalid, or larger than ``max_bytes`` (names the file at fault).
     """
     with open(path, "rb") as f:
-        got = load(f.read(), path)
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise too_large(path, size, max_bytes)
+        got = load(f.read(max_bytes + 1), path)
     if isinstance(got, Index):
         return got
-    return map_sidecar(got, os.path.join(os.path.dirname(path), got.sidecar))
+    side = os.path.join(os.path.dirname(path), got.sidecar)
+    check_sidecar_size(got, side)
+    return map_sidecar(got, side)
 
 
-def read_dir(directory: str) -> Index:
+def read_dir(directory: str, *, max_bytes: int = DEFAULT_MAX_INDEX_BYTES) -> Index:
     """The index of the dataset in ``directory``.
 
     Raises:
@@ -108,7 +138,7 @@ def read_dir(directory: str) -> Index:
     """
     path = os.path.join(directory, INDEX_NAME)
     try:
-        return read_path(path)
+        return read_path(path, max_bytes=max_bytes)
     except FileNotFoundError as exc:
         raise ObjectNotFoundError(
             f"{path}: no dataset here (index.json is missing)", url=path
@@ -141,23 +171,28 @@ def write_dir(directory: str, index: Index, *, fsync: bool = True) -> Index:
     return out
 
 
-async def read_storage(storage: Storage, key: str = INDEX_NAME) -> Index | None:
+async def read_storage(
+    storage: Storage, key: str = INDEX_NAME, *, max_bytes: int = DEFAULT_MAX_INDEX_BYTES
+) -> Index | None:
     """The index stored as ``key`` (either version; a sidecar is read into memory), or
     None when absent. For writers and tools; readers map it through the cache instead.
 
     Raises:
-        CorruptIndexError, BadIndexError: invalid (names the object at fault).
+        CorruptIndexError, BadIndexError: invalid, or larger than ``max_bytes`` (a
+            sidecar: than its index allows); names the object at fault.
     """
     try:
-        data = await storage.read(key)
+        data = await read_bounded(storage, key, max_bytes)
     except ObjectNotFoundError:
         return None
-    got = load(data, storage.object_url(key))
+    got = load_fetched(data, storage.object_url(key))
     if isinstance(got, Index):
         return got
     prefix = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+    check_sidecar_size(got, storage.object_url(prefix + got.sidecar))
     try:
-        side = await storage.read(prefix + got.sidecar)
+        # One byte more than the index records: a longer object is refused by open().
+        side = await storage.read(prefix + got.sidecar, 0, got.sidecar_bytes + 1)
     except ObjectNotFoundError as exc:
         raise BadIndexError(
             f"{storage.object_url(prefix + got.sidecar)}: the column sidecar that "
@@ -169,3 +204,84 @@ async def read_storage(storage: Storage, key: str = INDEX_NAME) -> Index | None:
 def sidecar_names(directory_names: list[str], keep: str | None) -> list[str]:
     """Sidecars among ``directory_names`` other than ``keep`` (left over by rewrites)."""
     return [n for n in directory_names if NAME_RE.match(n) and n != keep]
+
+
+async def read_bounded(storage: Storage, key: str, max_bytes: int) -> bytes:
+    """The whole of ``key``, refusing an object of more than ``max_bytes`` bytes.
+
+    The request asks for at most ``max_bytes + 1`` bytes (a ``Range``), and no more than
+    that is read even from a server that ignores it: the connection is closed there, not
+    drained. Only then is the object's size asked for (a HEAD), for the message.
+
+    Raises:
+        BadIndexError: larger than ``max_bytes`` (names the URL, the size and
+            ``ASYNCCACHE_MAX_INDEX_BYTES``). Not transient: fetching again won't help.
+        StorageError: as :meth:`.Storage.read`.
+    """
+    data = await storage.read(key, 0, max_bytes + 1)
+    if len(data) <= max_bytes:
+        return data
+    del data
+    size: int | None = None
+    with contextlib.suppress(Exception):  # the size only makes the message better
+        size = (await storage.head(key)).size
+    raise too_large(storage.object_url(key), size, max_bytes)
+
+
+def too_large(where: str, size: int | None, max_bytes: int) -> BadIndexError:
+    """The error for an ``index.json`` of ``size`` bytes (None: unknown, more than the
+    bound) past the bound ``max_bytes``."""
+    what = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+    return BadIndexError(
+        f"{where}: {what}, larger than the {max_bytes} bytes an index.json may have "
+        f"(not read: set {_SETTING} higher if this index is meant to be that large)"
+    )
+
+
+def check_sidecar_size(meta: IndexMeta, where: str) -> None:
+    """Refuse a sidecar size no index of ``meta``'s chunk and item counts can have,
+    before anything is fetched or mapped (``where``: the sidecar, for the message).
+
+    Raises:
+        BadIndexError: ``meta.sidecar_bytes`` is past that bound.
+    """
+    fields = None if meta.parts is None else len(meta.parts) - 1
+    most = max_size(meta.chunks, meta.total_items, fields)
+    if meta.sidecar_bytes > most:
+        raise BadIndexError(
+            f"{where}: {meta.where} records a sidecar of {meta.sidecar_bytes} bytes, but "
+            f"one of {meta.chunks} chunks and {meta.total_items} items has at most {most}"
+        )
+
+
+def load_fetched(data: bytes, where: str) -> Index | IndexMeta:
+    """:func:`~asynccache.format.index.load` for bytes that came over a network, with
+    damage on the way told apart from a bad index.
+
+    The bytes are checked against their own ``index_checksum`` before they are parsed.
+    When it vouches for them, any error is the index's own (BadIndexError and its
+    subclasses, as :func:`load` raises them). Otherwise (it does not match, or there is
+    no intact one and the bytes are refused) the error is a :class:`CorruptIndexError`,
+    which readers fetch again: damage that breaks the JSON, or the checksum line itself,
+    is then retried like any other. A refusal of unvouched bytes keeps what ``load``
+    raised as ``refusal`` (:func:`refusal_of`), for the error that ends the retries.
+    """
+    vouched = verify_sealed_bytes(data, where)
+    try:
+        return load(data, where)
+    except CorruptIndexError:
+        raise
+    except BadIndexError as exc:
+        if vouched:
+            raise
+        err = CorruptIndexError(
+            f"{exc} (its bytes carry no intact index_checksum: maybe damaged on the way)"
+        )
+        err.refusal = exc  # type: ignore[attr-defined]
+        raise err from exc
+
+
+def refusal_of(exc: BaseException) -> BadIndexError | None:
+    """What :func:`load` said of unvouched bytes :func:`load_fetched` refused, if so."""
+    got = getattr(exc, "refusal", None)
+    return got if isinstance(got, BadIndexError) else None

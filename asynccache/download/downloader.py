@@ -128,9 +128,7 @@ class Downloader:
         self.settings = settings
         self.stats = DownloadStats()
         self._lt = loop_thread or get_loop_thread()
-        self._policy = RetryPolicy(
-            settings.retries, settings.backoff_base_s, settings.backoff_max_s
-        )
+        self._policy = RetryPolicy.of(settings)
         self._gate = shared_gate(self._lt, settings.max_concurrency)  # one per process
         # Range reads of first items have slots of their own: they are bounded in bytes
         # (FIRST_READ_BYTES per reader per epoch), and behind the epoch's first prefetches
@@ -236,7 +234,8 @@ class Downloader:
                 try:
                     return fut.result(timeout=min(_WAIT_SLICE_S, self.stall_s))
                 except concurrent.futures.TimeoutError:
-                    pass
+                    if fut.done():  # the download's own error: TimeoutError is that class
+                        raise
                 now = time.monotonic()
                 clock = self._clocks.get(name, self._all)
                 idle = min(now - start, clock.idle_s(now))

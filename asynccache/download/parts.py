@@ -10,15 +10,21 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from ..cache.layout import TempFile
-from ..errors import RetriesExhaustedError, StorageTimeoutError, TransientError
+from ..errors import (
+    RetriesExhaustedError,
+    StorageTimeoutError,
+    ThrottledError,
+    ThrottleTimeoutError,
+    TransientError,
+)
 from ..storage.base import ACLOSE_S, Storage
 from .link import LinkEstimate
 from .progress import ProgressClock
-from .retry import RetryPolicy
+from .retry import RetryBudget, RetryPolicy
 from .stats import DownloadStats
 from .writeback import WRITEBACK_BYTES, request_writeback
 
-__all__ = ["Hasher", "Span", "fetch_range", "split_parts"]
+__all__ = ["Hasher", "Span", "fetch_range", "retry_wait", "split_parts"]
 
 
 class Hasher(Protocol):
@@ -102,7 +108,9 @@ async def fetch_range(
 
     A transient failure (5xx, 429, reset, short body, ``timeout_s`` without a byte, or
     fewer than ``min_bytes_per_s`` over a ``timeout_s`` window) is retried after a
-    backoff, resuming from the first byte not yet received. ``progress`` (optional) is
+    backoff, resuming from the first byte not yet received: faults within
+    ``policy.retries``, throttling answers within ``policy.throttle_patience_s`` seconds
+    of backoff (:class:`.RetryBudget`). ``progress`` (optional) is
     touched as bytes land and attempts start and end, for waiters on other threads.
     ``link`` (optional) is told each complete attempt's time to first byte and body rate.
     Each attempt holds one ``slot()`` of the process's concurrency limit while its request
@@ -111,11 +119,12 @@ async def fetch_range(
     Raises:
         RetriesExhaustedError: the retry budget ran out; names the URL, the attempts and
             the last cause (chained).
+        ThrottleTimeoutError: throttled past the patience (names it and the URL).
         StorageError: non-transient failures (not found, auth) pass through unretried.
     """
     if span is None:
         span = Span(start, end)  # the next byte to fetch survives failed attempts (resume)
-    failures = 0
+    budget = policy.budget()
     while True:
         try:
             async with slot():
@@ -144,8 +153,7 @@ async def fetch_range(
                 )
             return
         except TransientError as exc:
-            failures += 1
-            delay = next_delay(storage, key, (start, span.end), failures, exc, policy, stats)
+            delay = retry_wait(storage, key, (start, span.end), budget, exc, stats)
             if progress is not None:
                 progress.quiet(delay)  # a bounded sleep, not a stall
             log.debug("retrying %s at byte %d in %.2fs: %s", key, span.cursor, delay, exc)
@@ -177,6 +185,52 @@ def next_delay(
         ) from exc
     stats.retries += 1
     return policy.delay(failures, exc.retry_after)
+
+
+def retry_wait(
+    storage: Storage,
+    key: str,
+    span: tuple[int, int],
+    budget: RetryBudget,
+    exc: TransientError,
+    stats: DownloadStats,
+) -> float:
+    """Seconds to wait before retrying bytes ``span`` of ``key`` after the failed attempt
+    ``exc``, spending ``budget`` (a fault counts against the retries, a throttling answer
+    against the patience), counted in ``stats``.
+
+    Raises:
+        ThrottleTimeoutError: throttled past ``ASYNCCACHE_THROTTLE_PATIENCE_S``, or asked
+            to wait longer than the patience left; names the URL and the patience.
+        RetriesExhaustedError: faults past the retry budget; names the URL, the byte
+            range, the attempts and the last cause (chained).
+    """
+    throttled = isinstance(exc, ThrottledError)
+    delay = budget.next_delay(throttled, exc.retry_after)
+    if delay is not None:
+        stats.retries += 1
+        return delay
+    url = storage.object_url(key)
+    attempts = budget.failures + budget.throttles
+    if throttled:
+        patience = budget.policy.throttle_patience_s
+        asked = (
+            f"; it asked to wait {exc.retry_after:g}s more"
+            if exc.retry_after is not None and exc.retry_after > budget.patience_left_s
+            else ""
+        )
+        raise ThrottleTimeoutError(
+            f"gave up on {url} bytes {span[0]}-{span[1]}: throttled {budget.throttles} "
+            f"times over {budget.throttled_s:.1f}s of backoff{asked}, past the patience of "
+            f"{patience:g}s (ASYNCCACHE_THROTTLE_PATIENCE_S); last answer: {exc}",
+            url=url,
+            attempts=attempts,
+        ) from exc
+    raise RetriesExhaustedError(
+        f"gave up on {url} bytes {span[0]}-{span[1]} after {attempts} attempts; last error: {exc}",
+        url=url,
+        attempts=attempts,
+    ) from exc
 
 
 class _Limits:

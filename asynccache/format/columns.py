@@ -365,6 +365,25 @@ def encode(cols: Columns) -> bytes:
     return bytes(out)
 
 
+#: The longest chunk file name a sidecar's name table is allowed to hold, for
+#: :func:`max_size` (object keys of S3 and GCS end at 1024 bytes).
+MAX_NAME_BYTES = 1024
+
+
+def max_size(chunks: int, items: int, name_fields: int | None) -> int:
+    """The most bytes a sidecar of ``chunks`` chunks holding ``items`` items can take:
+    every optional column present (tokens, one key run per item), names made of
+    ``name_fields`` numbers (None: a table of names, each at most ``MAX_NAME_BYTES``).
+    Pure arithmetic on what ``index.json`` states, for refusing an absurd sidecar size
+    before fetching it."""
+    ncols = 6 + 6 + (name_fields if name_fields is not None else 2)
+    per_chunk = 8 * 7  # items, bytes, checksum, item_start, tokens, a spare, run_start
+    per_chunk += 8 * name_fields if name_fields is not None else 8 + MAX_NAME_BYTES
+    per_item = 8 * 5  # run_first, run_count, key_first, key_chunk, key_pos
+    head = _align(_HEAD.size + _DIR.size * ncols)
+    return head + ncols * (_ALIGN + 8) + chunks * per_chunk + items * per_item + _TRAILER
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 

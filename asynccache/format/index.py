@@ -100,6 +100,29 @@ def seal(body: str) -> str:
     return f'{body[: -len(_BODY_END)]},\n "{INDEX_CHECKSUM_FIELD}": "{digest}"{_BODY_END}'
 
 
+def verify_sealed_bytes(data: bytes, where: str) -> bool:
+    """Check an index's raw bytes against the ``index_checksum`` line that ends them,
+    before any parse (damage that breaks the JSON is still recognised as damage).
+
+    Returns:
+        True when that line is intact and the bytes match it; False when the bytes end
+        with no such line (an unsealed index, or one whose last line itself is damaged).
+
+    Raises:
+        CorruptIndexError: the line is intact and the bytes don't match it.
+    """
+    m = _SEAL.search(data, max(0, len(data) - 128))  # the line is under 64 bytes
+    if m is None:
+        return False
+    actual = checksum(data[: m.start()] + _BODY_END.encode())
+    if actual != m.group(1).decode():
+        raise CorruptIndexError(
+            f"{where}: damaged: its bytes hash to {actual}, but it records "
+            f"{INDEX_CHECKSUM_FIELD} {m.group(1).decode()}"
+        )
+    return True
+
+
 def _verify_seal(data: bytes, doc: dict[str, Any], where: str) -> bool:
     """Check the ``index_checksum`` member of a parsed index; True when it was present.
 

@@ -32,12 +32,17 @@ from ..config import Settings
 from ..download.connection import Connection
 from ..download.downloader import ChunkSpec, Downloader
 from ..download.link import LinkEstimate, endpoint_of, link_for
-from ..download.retry import RetryPolicy
+from ..download.retry import RetryBudget, RetryPolicy
 from ..download.stats import DownloadStats
-from ..errors import CorruptIndexError, RetriesExhaustedError, TransientError
+from ..errors import (
+    CorruptIndexError,
+    RetriesExhaustedError,
+    ThrottledError,
+    ThrottleTimeoutError,
+    TransientError,
+)
 from ..format import INDEX_NAME, ChunkEntry, Index
 from ..format.index import IndexMeta
-from ..format.index import load as load_index
 from ..sampling.order import Units
 from ..storage import open_storage
 from .readplan import EpochSpec, PlanCache, ReadPlan, View, raise_if_below
@@ -122,37 +127,42 @@ class DatasetSource:
     # -- opening -------------------------------------------------------------------
     def _read_index(self) -> Index:
         if not self.remote:
-            return indexfile.read_dir(local_dir(self.url))
+            return indexfile.read_dir(local_dir(self.url), max_bytes=self.settings.max_index_bytes)
         conn = self._connect()
         storage = conn.storage
-        policy = RetryPolicy(
-            self.settings.retries, self.settings.backoff_base_s, self.settings.backoff_max_s
-        )
+        policy = RetryPolicy.of(self.settings)
         url = storage.object_url(INDEX_NAME)
+        limit, timeout_s = self.settings.max_index_bytes, self.settings.timeout_s
 
         async def fetch() -> Index:
-            failures = 0
+            spent = policy.budget()
             while True:
                 try:
-                    text = await asyncio.wait_for(storage.read(INDEX_NAME), self.settings.timeout_s)
-                    # Parsed off the loop (an index can be megabytes); a checksum mismatch
-                    # is damage in transit, as transient as a reset: fetch it again.
-                    got = await asyncio.to_thread(load_index, text, url)
+                    data = await asyncio.wait_for(
+                        indexfile.read_bounded(storage, INDEX_NAME, limit), timeout_s
+                    )
+                    # Judged off the loop (an index can be megabytes). Bytes damaged on
+                    # the way (their checksum, or no intact one and refused) are as
+                    # transient as a reset: fetch them again.
+                    got = await asyncio.to_thread(indexfile.load_fetched, data, url)
                     if isinstance(got, Index):
                         return got
+                    indexfile.check_sidecar_size(got, storage.object_url(got.sidecar))
                     return await self._fetch_sidecar(conn, got)
+                except RetriesExhaustedError:
+                    raise  # a sidecar download spent its own budget (it is a TimeoutError
+                    # when throttled past the patience): not to be spent again here
                 except (TransientError, asyncio.TimeoutError, CorruptIndexError) as exc:
-                    failures += 1
-                    if not policy.should_retry(failures):
-                        raise _gave_up(url, failures, exc) from exc
-                    await asyncio.sleep(policy.delay(failures, getattr(exc, "retry_after", None)))
+                    retry_after = getattr(exc, "retry_after", None)
+                    delay = spent.next_delay(isinstance(exc, ThrottledError), retry_after)
+                    if delay is None:
+                        raise _gave_up(url, spent, exc) from exc
+                    await asyncio.sleep(delay)
 
-        # Bounded: each attempt by timeout_s, each pause by backoff_max_s; the parse gets
-        # the same again. A sidecar download is bounded by the downloader's own retries
-        # and stall timeout.
-        budget = (2 * self.settings.timeout_s + self.settings.backoff_max_s) * (
-            self.settings.retries + 1
-        )
+        # Bounded: each attempt by timeout_s, the parse by as much again, the pauses by
+        # the policy (faults by backoff_max_s each, throttling by its patience). A sidecar
+        # download is bounded by the downloader's own retries and stall timeout.
+        budget = policy.worst_case_s(2 * timeout_s)
         try:
             return get_loop_thread().call(fetch(), budget)
         except BaseException:
@@ -549,10 +559,24 @@ def _finalizer(source: DatasetSource, slot: _Slot) -> weakref.finalize:
     return fin
 
 
-def _gave_up(url: str, failures: int, exc: BaseException) -> Exception:
-    """The error that ends the index fetch: what failed last, with the URL and attempts."""
+def _gave_up(url: str, spent: RetryBudget, exc: BaseException) -> Exception:
+    """The error that ends the index fetch: what failed last, with the URL and attempts
+    (throttling past the patience: the patience)."""
     last = str(exc) or type(exc).__name__
-    message = f"gave up on {url} after {failures} attempts; last error: {last}"
+    attempts = spent.failures + spent.throttles
+    if isinstance(exc, ThrottledError):
+        patience = spent.policy.throttle_patience_s
+        return ThrottleTimeoutError(
+            f"gave up on {url}: throttled {spent.throttles} times over "
+            f"{spent.throttled_s:.1f}s of backoff, past the patience of {patience:g}s "
+            f"(ASYNCCACHE_THROTTLE_PATIENCE_S); last answer: {last}",
+            url=url,
+            attempts=attempts,
+        )
+    message = f"gave up on {url} after {attempts} attempts; last error: {last}"
+    refusal = indexfile.refusal_of(exc)
+    if refusal is not None:  # refused every time: the index's own fault after all
+        return type(refusal)(f"gave up on {url} after {attempts} attempts: {refusal}")
     if isinstance(exc, CorruptIndexError):
         return CorruptIndexError(message)
-    return RetriesExhaustedError(message, url=url, attempts=failures)
+    return RetriesExhaustedError(message, url=url, attempts=attempts)

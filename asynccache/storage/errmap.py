@@ -9,9 +9,13 @@ cause                                         raised
 404, ``NoSuchKey``, ``BlobNotFound``...       :class:`ObjectNotFoundError`
 401, 403, ``AuthenticationFailed``...         :class:`AuthError` (names the credential
                                               source, never the secret)
-408, 429, 5xx, ``SlowDown``, ``ServerBusy``   :class:`TransientError`; ``retry_after``
-                                              from ``Retry-After``, ``retry-after-ms`` or
-                                              ``x-ms-retry-after-ms``
+429, 503, ``SlowDown``, ``ServerBusy``...     :class:`ThrottledError` (a TransientError
+                                              waited out with a patience in seconds, see
+                                              :mod:`asynccache.download.retry`)
+408, other 5xx, ``InternalError``...          :class:`TransientError`
+                                              (both: ``retry_after`` from
+                                              ``Retry-After``, ``retry-after-ms`` or
+                                              ``x-ms-retry-after-ms``)
 reset, refused, payload error, short body     :class:`TransientError`
 timeout                                       :class:`StorageTimeoutError`
 TLS certificate rejected                      :class:`StorageError` (not retried)
@@ -40,6 +44,7 @@ from ..errors import (
     ObjectNotFoundError,
     StorageError,
     StorageTimeoutError,
+    ThrottledError,
     TransientError,
 )
 
@@ -81,6 +86,19 @@ _AUTH_CODES = frozenset(
 )
 _REGION_CODES = frozenset(
     {"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
+)
+# The service asks the client to slow down (S3, Azure, GCS and S3-compatible stores).
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServerBusy",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "rateLimitExceeded",
+    }
 )
 _TRANSIENT_CODES = frozenset(
     {
@@ -142,6 +160,11 @@ def status_error(
     if status in (401, 403) or code in _AUTH_CODES:
         source = f" (credentials from {credential_source})" if credential_source else ""
         return AuthError(f"access denied: {what}{source}", url=url)
+    if status in (429, 503) or code in _THROTTLE_CODES:
+        # 503 from S3-compatible stores is how they throttle, with or without SlowDown.
+        return ThrottledError(
+            f"throttled: {what}", url=url, retry_after=_retry_after(headers or {})
+        )
     if status in (408, 429) or status >= 500 or code in _TRANSIENT_CODES:
         retry_after = _retry_after(headers or {})
         return TransientError(f"server busy or failing: {what}", url=url, retry_after=retry_after)

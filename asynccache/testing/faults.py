@@ -5,7 +5,8 @@ and forwards every request unchanged (method, path, query, body and headers, ``H
 ``Authorization``, ``Range`` and ``x-amz-*`` included, so SigV4 signatures still verify),
 except when a programmed :class:`Fault` matches: then it answers with a 5xx or 429, resets
 the connection mid-body, truncates the body below its ``Content-Length``, stalls, or flips
-bytes, or trickles the body at a set rate. Every request is logged (method, path, Range,
+bytes, or trickles the body at a set rate, or answers a storm of 503 ``SlowDown`` for a
+set time, or redirects to another URL. Every request is logged (method, path, Range,
 arrival time) so tests can count GETs, and every fault is counted when it actually takes
 effect (:meth:`FaultProxy.fired`), so a test can tell a recovered fault from one that never
 fired.
@@ -35,7 +36,17 @@ from ..errors import ConfigError
 
 __all__ = ["Fault", "FaultProxy", "RequestRecord", "ServerThread"]
 
-FaultKind = Literal["status", "reset", "truncate", "stall", "slow", "flip", "trickle"]
+FaultKind = Literal[
+    "status",
+    "reset",
+    "truncate",
+    "stall",
+    "slow",
+    "flip",
+    "trickle",
+    "slowdown",
+    "redirect",
+]
 LinkKnob = Literal["latency", "cap"]
 
 _HOP_BY_HOP = {
@@ -49,6 +60,10 @@ _HOP_BY_HOP = {
     "upgrade",
 }
 _PIECE = 64 << 10
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 @dataclasses.dataclass
@@ -63,8 +78,15 @@ class Fault:
             nothing for ``stall_s``, then reset), ``slow`` (pause ``stall_s`` after
             ``after_bytes``, then finish normally), ``flip`` (XOR the byte at ``flip_at``
             with ``flip_xor``), ``trickle`` (after ``after_bytes``, send the rest at
-            ``bytes_per_s``, in ten pieces a second).
-        times: how many matching requests it affects.
+            ``bytes_per_s``, in ten pieces a second), ``slowdown`` (answer 503 with an S3
+            ``SlowDown`` XML body, and ``Retry-After`` when ``retry_after`` is set),
+            ``redirect`` (answer ``status`` if it is a 3xx, else 307, with ``Location``
+            ``location`` + the request's path and query, without asking upstream).
+        times: how many matching requests it affects (ignored with ``for_s``).
+        for_s: a storm: the fault affects every matching request from the first one
+            it meets until ``for_s`` seconds later (None: ``times`` requests).
+        location: the base URL a ``redirect`` points to (another server, or this
+            proxy's own ``url`` for a redirect to the same origin).
         path: only requests whose path contains this string match (None: all).
         methods: only these methods match.
         range: only requests whose ``Range`` header contains this string match (None:
@@ -86,10 +108,19 @@ class Fault:
     bytes_per_s: int = 1024
     range: str | None = None
     from_byte: int | None = None
+    for_s: float | None = None
+    location: str | None = None
+    started: float | None = None  # when a storm (for_s) met its first request
+
+    def live(self) -> bool:
+        """Whether the fault still affects requests (a count left, or a storm not over)."""
+        if self.for_s is None:
+            return self.times > 0
+        return self.started is None or time.monotonic() < self.started + self.for_s
 
     def matches(self, method: str, path: str, rng: str | None = None) -> bool:
         return (
-            self.times > 0
+            self.live()
             and method in self.methods
             and (self.path is None or self.path in path)
             and (self.range is None or (rng is not None and self.range in rng))
@@ -328,7 +359,10 @@ class FaultProxy:
         with self._mu:
             for fault in self._faults:
                 if fault.matches(method, path, rng):
-                    fault.times -= 1
+                    if fault.for_s is None:
+                        fault.times -= 1
+                    elif fault.started is None:
+                        fault.started = time.monotonic()
                     return dataclasses.replace(fault)
             return None
 
@@ -380,6 +414,8 @@ class FaultProxy:
             if fault.retry_after is not None:
                 headers["Retry-After"] = f"{fault.retry_after:g}"
             return web.Response(status=fault.status, headers=headers, text="injected fault")
+        if fault is not None and fault.kind in ("slowdown", "redirect"):
+            return self._answer(request, fault)
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         body = await request.read() if request.can_read_body else None
@@ -404,6 +440,18 @@ class FaultProxy:
                 # The client closed the connection mid-body (it cut the request short,
                 # or gave up): nothing to answer, and nothing wrong with the proxy.
                 raise asyncio.CancelledError from None
+
+    def _answer(self, request: web.Request, fault: Fault) -> web.Response:
+        """A ``slowdown`` or ``redirect`` answer, made here without asking upstream."""
+        self._fire(fault.kind)
+        if fault.kind == "redirect":
+            status = fault.status if 300 <= fault.status < 400 else 307
+            target = (fault.location or self.url).rstrip("/") + request.path_qs
+            return web.Response(status=status, headers={"Location": target})
+        headers = {"Content-Type": "application/xml"}
+        if fault.retry_after is not None:
+            headers["Retry-After"] = f"{fault.retry_after:g}"
+        return web.Response(status=503, headers=headers, body=_SLOW_DOWN)
 
     async def _pause(self, delay: float) -> bool:
         """Sleep ``delay`` seconds, or less if the proxy closes; True when it closes."""

@@ -118,6 +118,6 @@ def test_index_behind_a_failing_server_gives_up_in_bounded_time(written, http_or
         proxy.add_fault(Fault("status", times=2, status=503, path="index.json"))
         ds = StreamingDataset(proxy.url, cache_dir=tmp_path / "a", settings=settings)
         assert len(ds) == N, "two 503s, then the retry succeeds"
-        proxy.add_fault(Fault("status", times=10, status=503, path="index.json"))
+        proxy.add_fault(Fault("status", times=10, status=500, path="index.json"))
         with pytest.raises(RetriesExhaustedError, match=r"index\.json after 3 attempts"):
             StreamingDataset(proxy.url, cache_dir=tmp_path / "b", settings=settings)

@@ -20,7 +20,7 @@ from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
-from asynccache.errors import RetriesExhaustedError
+from asynccache.errors import RetriesExhaustedError, ThrottleTimeoutError
 from asynccache.storage import open_storage
 from asynccache.testing.faults import Fault, FaultProxy
 
@@ -141,7 +141,27 @@ def test_ranged_parts_in_parallel_survive_faults(tmp_path: Path, lt: LoopThread,
 def test_throttled_forever_is_a_clear_error(tmp_path: Path, lt: LoopThread, seeded) -> None:
     kind, url, endpoint, options, data = seeded
     with FaultProxy(endpoint) as proxy:
-        proxy.add_fault(Fault("status", times=100, status=503, path=NAME))
+        proxy.add_fault(Fault("status", times=1000, status=503, path=NAME))
+        with pytest.raises(ThrottleTimeoutError) as info:
+            _fetch(
+                tmp_path,
+                lt,
+                url,
+                _with_endpoint(kind, options, proxy.url),
+                data,
+                retries=1,
+                throttle_patience_s=0.5,
+                part_bytes=1 << 20,
+            )
+        assert "503" in str(info.value) and f"{url}/{NAME}" in str(info.value)
+        assert "ASYNCCACHE_THROTTLE_PATIENCE_S" in str(info.value)
+        assert proxy.fired("status") > 2  # throttling is not counted against the retries
+
+
+def test_failing_forever_is_a_clear_error(tmp_path: Path, lt: LoopThread, seeded) -> None:
+    kind, url, endpoint, options, data = seeded
+    with FaultProxy(endpoint) as proxy:
+        proxy.add_fault(Fault("status", times=100, status=500, path=NAME))
         with pytest.raises(RetriesExhaustedError) as info:
             _fetch(
                 tmp_path,
@@ -152,7 +172,7 @@ def test_throttled_forever_is_a_clear_error(tmp_path: Path, lt: LoopThread, seed
                 retries=1,
                 part_bytes=1 << 20,
             )
-        assert "503" in str(info.value) and f"{url}/{NAME}" in str(info.value)
+        assert "500" in str(info.value) and f"{url}/{NAME}" in str(info.value)
         assert proxy.fired("status") == 2
 
 

@@ -13,6 +13,7 @@ from asynccache.errors import (
     ConfigError,
     ObjectNotFoundError,
     StorageError,
+    ThrottledError,
     TransientError,
 )
 from asynccache.storage import LocalStorage
@@ -34,9 +35,13 @@ def _xml(code: str) -> bytes:
         (403, _xml("SignatureDoesNotMatch"), AuthError),
         (401, b"", AuthError),
         (400, _xml("InvalidAccessKeyId"), AuthError),
-        (503, _xml("SlowDown"), TransientError),
+        (503, _xml("SlowDown"), ThrottledError),
+        (503, b"", ThrottledError),
+        (500, _xml("SlowDown"), ThrottledError),
+        (503, _xml("ServerBusy"), ThrottledError),
         (500, b"oops", TransientError),
-        (429, b"", TransientError),
+        (500, _xml("InternalError"), TransientError),
+        (429, b"", ThrottledError),
         (400, _xml("InvalidArgument"), StorageError),
     ],
 )
