@@ -7,9 +7,12 @@ List`` above it (the blob appears only when the list is committed); listing page
 through ``List Blobs`` markers.
 
 Invariants: every request carries ``x-ms-version`` and a fresh ``x-ms-date`` and is
-signed just before it is sent; throttling (503 ``ServerBusy``, 500
-``OperationTimedOut``, 429) is a TransientError carrying the delay from ``Retry-After``
-or ``x-ms-retry-after-ms``; messages name the ``az://`` URL, never a key, SAS or token.
+signed just before it is sent, for its own URL (a redirect to the same origin is signed
+again; one elsewhere is followed without ``Authorization``: the SharedKey signature or
+bearer token never leaves the account's origin, see :func:`.transport.send_following`);
+throttling (503 ``ServerBusy``, 429) is a ThrottledError and 500 ``OperationTimedOut`` a
+TransientError, each carrying the delay from ``Retry-After`` or ``x-ms-retry-after-ms``;
+messages name the ``az://`` URL, never a key, SAS or token.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from .s3_wire import S3Response, file_body, parse_xml
 from .transport import (
     SessionHolder,
     check_range,
-    encoded_url,
     gather_or_cancel,
     range_header,
+    send_following,
     send_small,
     stream_response,
 )
@@ -138,13 +141,13 @@ class AzureStorage(Storage):
             # aiohttp would add one after signing; SharedKey signs Content-Type.
             hdrs["Content-Type"] = "application/octet-stream"
         async with map_client_errors(what, method):
-            signed = await self._signed(method, href, hdrs)
             status, rhdrs, body = await send_small(
                 self._sessions.get(),
                 method,
                 href,
                 what=what,
-                headers=signed,
+                headers=hdrs,
+                sign=self._signed,
                 data=data,
                 ok=ok,
                 credential_source=self.auth.source,
@@ -168,10 +171,15 @@ class AzureStorage(Storage):
         rng = range_header(start, end)
         if rng:
             headers["x-ms-range"] = rng  # signed by SharedKey; plain Range is not
-        href = self.href(key)
         async with map_client_errors(url):
-            signed = await self._signed("GET", href, headers)
-            resp = await self._sessions.get().get(encoded_url(href), headers=signed)
+            resp = await send_following(
+                self._sessions.get(),
+                "GET",
+                self.href(key),
+                headers=headers,
+                what=url,
+                sign=self._signed,
+            )
         if resp.status == 416 and "/" not in resp.headers.get("Content-Range", ""):
             resp.release()  # InvalidRange: past the end is an empty read, as elsewhere
             if start >= (await self._head_impl(key)).size:

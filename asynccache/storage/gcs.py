@@ -6,9 +6,10 @@ with ``Range`` (the downloader splits objects into parallel ranged parts); uploa
 single streamed media uploads; listing pages through ``objects.list``.
 
 Invariants: object names are percent-encoded whole (``/`` included) in paths; the
-``Authorization`` header is fetched just before each request (tokens expire); errors are
-mapped by :mod:`.errmap` (429/503 with ``Retry-After`` are transient) and name the
-``gs://`` URL of the object, never a token.
+``Authorization`` header is fetched just before each request (tokens expire) and goes to
+the endpoint's origin only: a redirect elsewhere is followed without it
+(:func:`.transport.send_following`); errors are mapped by :mod:`.errmap` (429/503 with
+``Retry-After`` are throttling) and name the ``gs://`` URL of the object, never a token.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from .s3_wire import file_body
 from .transport import (
     SessionHolder,
     check_range,
-    encoded_url,
     range_header,
+    send_following,
     send_small,
     stream_response,
 )
@@ -106,14 +107,13 @@ class GcsStorage(Storage):
         ok: tuple[int, ...] = (200,),
     ) -> tuple[int, CIMultiDictProxy[str], bytes]:
         async with map_client_errors(what, method):
-            hdrs = dict(headers or {})
-            hdrs.update(await self.auth.headers())
             return await send_small(
                 self._sessions.get(),
                 method,
                 href,
                 what=what,
-                headers=hdrs,
+                headers=headers or {},
+                private=await self.auth.headers(),
                 data=data,
                 ok=ok,
                 credential_source=self.auth.source,
@@ -149,8 +149,14 @@ class GcsStorage(Storage):
             headers["Range"] = rng
         href = self._object_href(key, {"alt": "media"})
         async with map_client_errors(url):
-            headers.update(await self.auth.headers())
-            resp = await self._sessions.get().get(encoded_url(href), headers=headers)
+            resp = await send_following(
+                self._sessions.get(),
+                "GET",
+                href,
+                headers=headers,
+                what=url,
+                private=await self.auth.headers(),
+            )
         if resp.status == 416 and "/" not in resp.headers.get("Content-Range", ""):
             # A 416 without the object's size (emulators): past the end is an empty read.
             resp.release()

@@ -25,7 +25,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from huggingface_hub import hf_hub_url
 
@@ -37,6 +37,7 @@ from .transport import (
     SessionHolder,
     check_range,
     encoded_url,
+    origin_of,
     range_header,
     send_following,
     stream_response,
@@ -49,11 +50,6 @@ _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 #: How long a CDN location is reused (signed URLs live far longer).
 _CDN_TTL_S = 300.0
 _REDIRECTS = (301, 302, 303, 307, 308)
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
 
 
 class HfStorage(Storage):
@@ -166,7 +162,7 @@ class HfStorage(Storage):
     async def _head_impl(self, key: str) -> ObjectInfo:
         url = self.object_url(key)
         href = self._resolve_href(key)
-        home = _origin(href)
+        home = origin_of(href)
         async with map_client_errors(url, "HEAD"):
             private = await self._auth()
             session = self._sessions.get()
@@ -181,7 +177,7 @@ class HfStorage(Storage):
                 location = headers.get("Location")
                 if status in _REDIRECTS and location and "X-Linked-Size" not in headers:
                     nxt = str(resp.url.join(encoded_url(location)))
-                    if _origin(nxt) == home:
+                    if origin_of(nxt) == home:
                         href = nxt
                         continue
                 break
@@ -235,7 +231,7 @@ class HfStorage(Storage):
                     session, "GET", href, headers=headers, private=await self._auth(), what=url
                 )
                 final = str(resp.url)
-                if resp.status in (200, 206) and _origin(final) != _origin(href):
+                if resp.status in (200, 206) and origin_of(final) != origin_of(href):
                     self._cdn[key] = (final, time.monotonic() + _CDN_TTL_S)
         if resp.status not in (200, 206, 416):
             try:

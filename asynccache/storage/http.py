@@ -109,8 +109,9 @@ class HttpStorage(Storage):
         )
 
     async def _direct_request(self, key: str, rng: str) -> tuple[str, dict[str, str]]:
-        # The dataset's own origin: its headers go along (a redirect is left to aiohttp,
-        # which keeps them from other origins).
+        # The dataset's own origin: its headers go along. A redirect is not followed
+        # here: the request is sent again by _iter_range_impl (send_following), which
+        # keeps them from other origins.
         headers = {"Accept-Encoding": "identity", "Range": rng}
         headers.update(self._headers)
         return self._href(key), headers

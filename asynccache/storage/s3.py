@@ -4,6 +4,16 @@ Transport is aiohttp (one pooled session per backend); botocore only signs (SigV
 resolves credentials. Invariants: path-style URLs for custom endpoints; every request
 is signed just before it is sent (credentials may rotate); payloads are sent
 ``UNSIGNED-PAYLOAD`` so bodies stream from disk; secrets never reach a message.
+
+Redirects: one to the same origin (scheme, host, port) is signed again for its URL and
+followed; one to another origin is refused with a :class:`StorageError` naming both,
+unless the requests are anonymous (then there is nothing to withhold, and it is
+followed). Not followed without credentials either: a SigV4 request is valid for the
+host it was signed for, so S3 at another host answers a bare one 403 and the real cause
+(a region or endpoint mismatch, a misbehaving proxy) would be lost; and not signed for
+the other host, which would hand it the signature and the session token
+(``X-Amz-Security-Token``). aiohttp's own redirects kept that token (it drops only
+``Authorization``), so none are left to it.
 """
 
 from __future__ import annotations
@@ -24,9 +34,9 @@ from .s3_wire import NS, S3Response, file_body, parse_xml
 from .transport import (
     SessionHolder,
     check_range,
-    encoded_url,
     range_header,
     receive_ranged,
+    send_following,
     send_small,
     stream_response,
 )
@@ -125,13 +135,14 @@ class S3Storage(Storage):
         """
         href = self.href(key, query)
         async with map_client_errors(what, method):
-            signed = await self.signer.sign(method, href, headers)
             status, hdrs, body = await send_small(
                 self._sessions.get(),
                 method,
                 href,
                 what=what,
-                headers=signed,
+                headers=headers or {},
+                sign=self.signer.sign,
+                refuse_foreign=not self.signer.anonymous,
                 data=data,
                 ok=ok,
                 credential_source=self.signer.source,
@@ -156,10 +167,16 @@ class S3Storage(Storage):
         rng = range_header(start, end)
         if rng:
             headers["Range"] = rng
-        href = self.href(key)
         async with map_client_errors(url):
-            signed = await self.signer.sign("GET", href, headers)
-            resp = await self._sessions.get().get(encoded_url(href), headers=signed)
+            resp = await send_following(
+                self._sessions.get(),
+                "GET",
+                self.href(key),
+                headers=headers,
+                what=url,
+                sign=self.signer.sign,
+                refuse_foreign=not self.signer.anonymous,
+            )
         async for piece in stream_response(
             resp, url, start, end, credential_source=self.signer.source
         ):

@@ -24,9 +24,11 @@ from .wire import DirectPool
 
 __all__ = [
     "SessionHolder",
+    "Signer",
     "check_range",
     "encoded_url",
     "header_option",
+    "origin_of",
     "past_end",
     "range_header",
     "receive_ranged",
@@ -73,12 +75,31 @@ def header_option(options: Mapping[str, object], url: str) -> dict[str, str]:
     return out
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
+def origin_of(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of ``url``, the port made explicit (``https://h`` is
+    ``https://h:443``): what decides whether credentials may go along."""
     parts = urlsplit(url)
-    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = 443 if scheme == "https" else 80
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def _show(origin: tuple[str, str, int]) -> str:
+    scheme, host, port = origin
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}:{port}"
 
 
 _REDIRECTS = (301, 302, 303, 307, 308)
+
+#: Signs the headers of one request for its URL: ``(method, href, headers) -> headers``
+#: to send (credentials included). Called again for each hop of a redirect.
+Signer = Callable[[str, str, Mapping[str, str]], Awaitable[Mapping[str, str]]]
 
 
 async def send_following(
@@ -87,35 +108,58 @@ async def send_following(
     url: str,
     *,
     headers: Mapping[str, str],
-    private: Mapping[str, str],
     what: str,
+    private: Mapping[str, str] | None = None,
+    sign: Signer | None = None,
+    refuse_foreign: bool = False,
+    data: Any = None,
     max_redirects: int = 5,
 ) -> aiohttp.ClientResponse:
     """Send ``method url`` and follow redirects by hand; return the final response.
 
-    ``private`` headers (credentials, cookies) go to ``url``'s origin only: once a
-    redirect leaves that origin (another host, port or scheme) they are never sent
-    again, so a token for the service never reaches a CDN or a third party. ``url`` and
-    each ``Location`` are sent byte-for-byte (signed CDN URLs stay valid).
+    Credentials go to ``url``'s origin (scheme, host and port) only, and only until a
+    redirect leaves it: ``private`` headers (tokens, cookies, the user's ``headers``)
+    and what ``sign`` adds (a signature, a session token) are sent to that origin, each
+    hop signed afresh for its own URL, and never to another. A hop elsewhere goes
+    without them, or, with ``refuse_foreign``, is not made: a :class:`StorageError`
+    names both origins (for a signed service, whose signature is valid for one host
+    only, a bare request elsewhere can only fail, and a signed one would hand that
+    host a credential). ``url`` and each ``Location`` are sent byte-for-byte (signed
+    CDN URLs stay valid). A request with a body (``data``) is not redirected: its body
+    streams once; the 3xx is returned to the caller.
+
+    Raises:
+        StorageError: a redirect to a non-HTTP URL, too many redirects, or (with
+            ``refuse_foreign``) one to another origin; names ``what``.
     """
-    home = _origin(url)
+    home = origin_of(url)
     current = url
     trusted = True
     for _ in range(max_redirects + 1):
-        trusted = trusted and _origin(current) == home
-        hdrs = dict(headers)
+        trusted = trusted and origin_of(current) == home
+        hdrs: Mapping[str, str] = dict(headers)
         if trusted:
-            hdrs.update(private)
+            hdrs = {**hdrs, **(private or {})}
+            if sign is not None:
+                hdrs = await sign(method, current, hdrs)
         resp = await session.request(
-            method, encoded_url(current), headers=hdrs, allow_redirects=False
+            method, encoded_url(current), headers=hdrs, data=data, allow_redirects=False
         )
         location = resp.headers.get("Location")
-        if resp.status not in _REDIRECTS or not location:
+        if resp.status not in _REDIRECTS or not location or data is not None:
             return resp
         resp.release()
         current = urljoin(current, location)
         if urlsplit(current).scheme not in ("http", "https"):
             raise StorageError(f"{method} {what}: redirected to a non-HTTP URL", url=what)
+        if refuse_foreign and origin_of(current) != home:
+            raise StorageError(
+                f"{method} {what}: {_show(home)} redirected it to {_show(origin_of(current))}; "
+                "not followed: the request's credentials are for the first host only (if "
+                "the second is the bucket's own endpoint, give it as endpoint_url, or the "
+                "bucket's region as region_name)",
+                url=what,
+            )
     raise StorageError(f"{method} {what}: more than {max_redirects} redirects", url=what)
 
 
@@ -335,13 +379,29 @@ async def send_small(
     data: Any = None,
     ok: tuple[int, ...] = (200,),
     credential_source: str | None = None,
+    private: Mapping[str, str] | None = None,
+    sign: Signer | None = None,
+    refuse_foreign: bool = False,
 ) -> tuple[int, Any, bytes]:
     """Send one request whose answer is small and read it: ``(status, headers, body)``.
 
-    A status outside ``ok`` raises the mapped error naming ``what`` (the URL, never a
-    secret). The caller wraps this in ``map_client_errors`` for connection failures.
+    Redirects are followed as :func:`send_following` does (credentials, ``private`` and
+    what ``sign`` adds, for ``href``'s origin only). A status outside ``ok`` raises the
+    mapped error naming ``what`` (the URL, never a secret). The caller wraps this in
+    ``map_client_errors`` for connection failures.
     """
-    async with session.request(method, encoded_url(href), headers=headers, data=data) as resp:
+    resp = await send_following(
+        session,
+        method,
+        href,
+        headers=headers,
+        what=what,
+        private=private,
+        sign=sign,
+        refuse_foreign=refuse_foreign,
+        data=data,
+    )
+    async with resp:
         body = await resp.read()
         if resp.status not in ok:
             raise status_error(

@@ -15,6 +15,9 @@ through its aiohttp session. Error statuses with a length are read (8 KiB kept) 
 by :func:`~.errmap.status_error`, exactly as the aiohttp path maps them.
 
 Invariants:
+    * A redirect is never followed here: the request's headers may carry credentials
+      for its own origin only, and which may go where is decided in one place
+      (:func:`.transport.send_following`, on the aiohttp path the 3xx is handed to).
     * A connection carries one request at a time and returns to the pool only after its
       response was read to its last byte with keep-alive; a cut, an error or a
       cancellation closes it (``abort``), never drains it.
