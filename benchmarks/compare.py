@@ -88,6 +88,7 @@ from typing import Any
 
 import limits
 import numpy as np
+from shapes import SHAPES, RamShape, Shape, mosaic_samples, payload, ram_items, samples
 
 LIBS = ("asynccache", "litdata", "mosaic")
 BUCKET = "compare"
@@ -128,6 +129,64 @@ def litdata_http() -> None:
 def make_item(item_bytes: int, i: int) -> np.ndarray:
     """Item ``i``: ``item_bytes`` random bytes from a generator seeded by ``i``."""
     return np.frombuffer(np.random.default_rng(i).bytes(item_bytes), dtype=np.uint8)
+
+
+def make_items(n: int, item_bytes: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` random ``uint8`` arrays of ``item_bytes``, views of one buffer (the loader
+    ceiling's items, freed at once)."""
+    buf = np.frombuffer(np.random.default_rng(seed).bytes(n * item_bytes), dtype=np.uint8)
+    return [buf[i * item_bytes : (i + 1) * item_bytes] for i in range(n)]
+
+
+def write_shape(work: str, libs: Sequence[str], name: str, n: int, chunk_bytes: int) -> None:
+    """Each library's writer of ``n`` items of shape ``name`` into ``work/<lib>`` (run in a
+    spawned process); a library whose writer fails leaves ``work/<lib>.failed`` (why)."""
+    warnings.filterwarnings("ignore")
+    shape = SHAPES[name]
+    for lib in libs:
+        out = os.path.join(work, lib)
+        started = time.perf_counter()
+        try:
+            if lib == "asynccache":
+                from asynccache import Settings
+                from asynccache.optimize import optimize
+
+                optimize(
+                    shape.make,
+                    range(n),
+                    out,
+                    num_workers=1,
+                    chunk_bytes=chunk_bytes,
+                    settings=Settings.from_env(progress=False),
+                    tokens="uint16" if shape.block else None,
+                )
+            elif lib == "litdata":
+                import litdata
+                from litdata.streaming.item_loader import TokensLoader
+
+                litdata.optimize(
+                    fn=shape.make,
+                    inputs=list(range(n)),
+                    output_dir=out,
+                    chunk_bytes=chunk_bytes,
+                    num_workers=1,
+                    mode="overwrite",
+                    verbose=False,
+                    item_loader=TokensLoader() if shape.block else None,
+                )
+            elif lib == "mosaic":
+                torchvision_shim()
+                from streaming import MDSWriter
+
+                cols = shape.mosaic_columns()
+                with MDSWriter(out=out, columns=cols, size_limit=chunk_bytes) as w:
+                    for sample in mosaic_samples(shape, n):
+                        w.write(sample)
+        except Exception as exc:
+            Path(work, f"{lib}.failed").write_text(f"{type(exc).__name__}: {exc}"[:200])
+            print(f"  {lib}: writing {name} failed: {exc}", flush=True)
+            continue
+        print(f"  {lib}: {name} written in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def write_all(work: str, libs: Sequence[str], n: int, item_bytes: int, chunk_bytes: int) -> None:
@@ -445,6 +504,9 @@ class Setup:
     proxy: Proxy | None = None  # the link every library reads through (None: loopback)
     sizes: dict[str, int] = field(default_factory=dict)  # object bytes by GET path
     budget: int | None = None  # each library's cache limit, bytes (None: its default)
+    shape: Shape | None = None  # --shapes: the shape read (None: arrays of item_bytes)
+    written: int = 0  # --shapes: the items (documents) written
+    prefix: str = ""  # --shapes: the shape's folder in the bucket
 
     @property
     def endpoint(self) -> str:
@@ -456,7 +518,7 @@ class Setup:
         return dict(self.store.storage_options, endpoint_url=self.endpoint)
 
     def url(self, lib: str) -> str:
-        return f"s3://{BUCKET}/{lib}"
+        return f"s3://{BUCKET}/{self.prefix}{lib}"
 
     def cache(self, name: str) -> Path:
         return self.work / "caches" / name
@@ -465,31 +527,46 @@ class Setup:
 def open_asynccache(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any]:
     from asynccache import CacheDataLoader, StreamingDataset
 
-    budget = {} if s.budget is None else {"max_cache_bytes": s.budget}
+    kw: dict[str, Any] = {} if s.budget is None else {"max_cache_bytes": s.budget}
+    shape = s.shape
+    if shape is not None and shape.block:
+        from asynccache import TokenBlocks
+
+        kw["item_loader"] = TokenBlocks(shape.block)
     ds = StreamingDataset(
         s.url("asynccache"),
         cache_dir=cache,
         shuffle=shuffle,
         seed=seed,
         storage_options=s.options,
-        **budget,
+        transform=shape.transform if shape is not None else None,
+        **kw,
     )
-    return CacheDataLoader(ds, batch_size=s.batch, num_workers=s.workers)
+    collate = {} if shape is None or shape.collate is None else {"collate_fn": shape.collate}
+    return CacheDataLoader(ds, batch_size=s.batch, num_workers=s.workers, **collate)
 
 
 def open_litdata(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any]:
     import litdata
 
-    budget = {} if s.budget is None else {"max_cache_size": s.budget}
+    kw: dict[str, Any] = {} if s.budget is None else {"max_cache_size": s.budget}
+    shape = s.shape
+    if shape is not None and shape.block:
+        from litdata.streaming.item_loader import TokensLoader
+
+        kw["item_loader"] = TokensLoader(block_size=shape.block)
+    if shape is not None and shape.transform is not None:
+        kw["transform"] = shape.transform
     ds = litdata.StreamingDataset(
         s.url("litdata"),
         cache_dir=str(cache),
         shuffle=shuffle,
         seed=seed,
         storage_options=s.options,
-        **budget,
+        **kw,
     )
-    return litdata.StreamingDataLoader(ds, batch_size=s.batch, num_workers=s.workers)
+    collate = {} if shape is None or shape.collate is None else {"collate_fn": shape.collate}
+    return litdata.StreamingDataLoader(ds, batch_size=s.batch, num_workers=s.workers, **collate)
 
 
 def open_mosaic(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any]:
@@ -497,7 +574,11 @@ def open_mosaic(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any
     from torch.utils.data import DataLoader
 
     # mosaic's S3 client takes its endpoint from S3_ENDPOINT_URL (set to s.endpoint)
-    ds = streaming.StreamingDataset(
+    shape = s.shape
+    cls = streaming.StreamingDataset
+    if shape is not None and shape.transform is not None:
+        cls = mosaic_transformed(shape.transform)
+    ds = cls(
         remote=s.url("mosaic"),
         local=str(cache),
         shuffle=shuffle,
@@ -510,7 +591,24 @@ def open_mosaic(s: Setup, cache: Path, shuffle: bool, seed: int) -> Iterable[Any
     # 60 s read timeout (seen in one epoch of two). Drop it: each worker makes its own.
     for stream in ds.streams:
         stream._downloader.clean_up()
-    return DataLoader(ds, batch_size=s.batch, num_workers=s.workers)
+    collate = {} if shape is None or shape.collate is None else {"collate_fn": mosaic_collate}
+    return DataLoader(ds, batch_size=s.batch, num_workers=s.workers, **collate)
+
+
+def mosaic_transformed(transform: Callable[[Any], Any]) -> Any:
+    """mosaic's ``StreamingDataset`` with a per-item transform (its docs: subclass it)."""
+    import streaming
+
+    class Transformed(streaming.StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, idx: Any) -> Any:
+            return transform(super().__getitem__(idx))
+
+    return Transformed
+
+
+def mosaic_collate(batch: list[dict[str, Any]]) -> list[Any]:
+    """The ragged shape's collate over mosaic's samples (each ``{"x": array}``)."""
+    return [np.asarray(x["x"]) for x in batch]
 
 
 OPENERS: dict[str, Callable[[Setup, Path, bool, int], Iterable[Any]]] = {
@@ -536,7 +634,9 @@ class Lib:
     cold: list[Epoch] = field(default_factory=list)
     warm: list[Epoch] = field(default_factory=list)
     shuffled: list[Epoch] = field(default_factory=list)
+    shuffled_warm: list[Epoch] = field(default_factory=list)  # --shapes
     second: list[Epoch] = field(default_factory=list)  # --budget-mb: epoch 2 (cold: 1)
+    path: str = ""  # --shapes, asynccache: whole batches ("batch") or item by item
     refused: str = ""  # --budget-mb: why the library refused the budget
 
 
@@ -556,6 +656,12 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     shuffled, loader = timed(
         s, lambda: opener(s, cache, True, rep), label=f"{lib.name} shuffled {rep}"
     )
+    if s.shape is not None:  # the matrix: the shuffled epoch warm too
+        warm_sh, _ = timed(s, lambda loader=loader: loader, label=f"{lib.name} shuffled warm")
+        lib.shuffled_warm.append(warm_sh)
+        if lib.name == "asynccache":
+            lib.path = batch_path(loader)
+        del _
     del loader
     forget(lib.name)
     shutil.rmtree(cache, ignore_errors=True)
@@ -571,6 +677,17 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     if s.proxy is not None:
         for name, e in (("cold", cold), ("shuffled", shuffled)):
             print(f"    {name} GETs: {gets_line(e.gets)}", flush=True)
+
+
+def batch_path(loader: Any) -> str:
+    """How asynccache's workers made the batches: whole ("batch"), per item, or both."""
+    try:
+        stats = loader.dataset.batch_stats()
+    except (AttributeError, TypeError):
+        return "?"
+    if stats["assembled"] and stats["collated"]:
+        return "batch + per-item"
+    return "batch" if stats["assembled"] else "per-item"
 
 
 def gets_line(g: Gets | None) -> str:
@@ -650,7 +767,6 @@ class Limits:
 
 
 def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency: int) -> None:
-    from streaming_epoch import ListIterable, make_items
     from torch.utils.data import DataLoader
 
     st = s.store
@@ -672,11 +788,19 @@ def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency:
             {"epoch": f"raw GET {len(lim.raw_get)}", "t0": m0, "t1": m1, "requests": log}
         )
     lim.raw_get.append(raw)
-    items = make_items(s.n, s.item_bytes)  # views of one buffer, freed at once afterwards
+    shape = s.shape
+    # (built anew each repetition: held during the libraries' epochs, they would count in
+    # the PSS of this process)
+    items = make_items(s.n, s.item_bytes) if shape is None else ram_items(shape, s.written)
     rep = len(lim.raw_get) - 1
+    transform = shape.transform if shape is not None else None
+    collate = {} if shape is None or shape.collate is None else {"collate_fn": shape.collate}
     for shuffle, out in ((False, lim.ceiling), (True, lim.ceiling_shuffled)):
         loader = DataLoader(
-            ListIterable(items, s.batch, shuffle, rep), batch_size=s.batch, num_workers=s.workers
+            RamShape(items, s.batch, shuffle, rep, transform),
+            batch_size=s.batch,
+            num_workers=s.workers,
+            **collate,
         )
         out.append(timed(s, lambda loader=loader: loader)[0])
         del loader
@@ -710,12 +834,11 @@ def memory_epoch(
 
     ds = StreamingDataset(url, cache_dir=cache, storage_options=options)
     if floor:
-        from streaming_epoch import ListIterable
         from torch.utils.data import DataLoader
 
         one = np.zeros(item_bytes, dtype=np.uint8)
         loader: Iterable[Any] = DataLoader(
-            ListIterable([one] * len(ds), batch, False, 0), batch_size=batch, num_workers=workers
+            RamShape([one] * len(ds), batch, False, 0), batch_size=batch, num_workers=workers
         )
     else:
         loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
@@ -883,8 +1006,6 @@ def run(args: argparse.Namespace) -> None:
             if mp.get_start_method() != "fork":
                 raise SystemExit(f"start method {mp.get_start_method()!r}, not fork")
             # Imports aside: each library is imported before any clock starts.
-            from streaming_epoch import ListIterable  # noqa: F401
-
             import asynccache.torch  # noqa: F401
 
             if "litdata" in libs:
@@ -922,6 +1043,256 @@ def run(args: argparse.Namespace) -> None:
         report_budget(args, setup, results, lim, concurrency, date, load_before)
         return
     report(args, setup, results, lim, memory, concurrency, date, load_before)
+
+
+# -- the shape matrix (--shapes) ---------------------------------------------------------------
+@dataclass
+class ShapeRun:
+    """One shape's measurements: its setup, the limits and each library's epochs."""
+
+    shape: Shape
+    setup: Setup
+    lim: Limits
+    results: list[Lib]
+    payload: int  # bytes of the items' payload
+
+
+def delete_prefix(client: Any, prefix: str) -> None:
+    """Every object under ``prefix`` of the bucket (a shape's datasets, once measured)."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+
+
+def run_matrix(args: argparse.Namespace) -> None:
+    """``--shapes``: every shape through every library, each beside its own limits."""
+    from asynccache import Settings
+    from asynccache.testing import ObjectStore
+
+    names = [x for x in args.shapes.split(",") if x]
+    unknown = set(names) - set(SHAPES)
+    if unknown or not names:
+        raise SystemExit(f"--shapes: choose from {','.join(SHAPES)}")
+    libs = [x for x in args.libs.split(",") if x]
+    if set(libs) - set(LIBS) or "asynccache" not in libs:
+        raise SystemExit(f"--libs: choose from {','.join(LIBS)}, asynccache included")
+    settings = Settings.from_env(progress=False)
+    chunk_bytes = args.chunk_mb << 20
+    per_chunk = -(-chunk_bytes // settings.part_bytes)
+    concurrency = args.workers * max(
+        1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
+    )
+    work = Path(tempfile.mkdtemp(prefix="asynccache-compare-"))
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = limits.loadavg()
+    runs: list[ShapeRun] = []
+    try:
+        with ObjectStore(volume_size_limit_mb=1024) as store:
+            os.environ.update(store.env)
+            os.environ["S3_ENDPOINT_URL"] = store.endpoint_url
+            store.create_bucket(BUCKET)
+            import boto3
+
+            client = boto3.client("s3", **store.storage_options)
+            if mp.get_start_method() != "fork":
+                raise SystemExit(f"start method {mp.get_start_method()!r}, not fork")
+            import asynccache.torch  # noqa: F401
+
+            if "litdata" in libs:
+                litdata_http()
+            if "mosaic" in libs:
+                torchvision_shim()
+                import streaming  # noqa: F401
+            for name in names:
+                shape = SHAPES[name]
+                n = shape.count(args.total_mb)
+                src = work / "src" / name
+                if args.src_dir:
+                    src = Path(args.src_dir) / f"{name}-{n}-chunk{chunk_bytes}"
+                todo = [lib for lib in libs if not (src / f"{lib}.done").exists()]
+                if todo:
+                    for lib in todo:
+                        shutil.rmtree(src / lib, ignore_errors=True)
+                    print(f"{name}: writing {n:,} items with {', '.join(todo)}", flush=True)
+                    writer = mp.get_context("spawn").Process(
+                        target=write_shape, args=(str(src), todo, name, n, chunk_bytes)
+                    )
+                    writer.start()
+                    writer.join(3600)
+                    if writer.exitcode != 0:
+                        raise SystemExit(f"writing {name} failed (exit code {writer.exitcode})")
+                    for lib in todo:
+                        if not (src / f"{lib}.failed").exists():
+                            (src / f"{lib}.done").touch()
+                setup = Setup(
+                    store,
+                    samples(shape, n),
+                    max(1, payload(shape, n) // max(1, samples(shape, n))),
+                    args.batch,
+                    args.workers,
+                    work,
+                    shape=shape,
+                    written=n,
+                    prefix=f"{name}/",
+                )
+                results = []
+                for lib in libs:
+                    x = Lib(lib)
+                    failed = src / f"{lib}.failed"
+                    if failed.exists():
+                        x.refused = f"writer failed: {failed.read_text()}"
+                    else:
+                        x.payload = upload_dir(
+                            client, src / lib, BUCKET, f"{name}/{lib}", setup.sizes
+                        )
+                    results.append(x)
+                if results[0].refused:
+                    raise SystemExit(f"{name}: asynccache's {results[0].refused}")
+                chunk_files = limits.files_under(src / "asynccache")
+                parts = [
+                    p
+                    for f in chunk_files
+                    for p in limits.split(
+                        f"{name}/asynccache/{Path(f).relative_to(src / 'asynccache').as_posix()}",
+                        os.path.getsize(f),
+                        settings.part_bytes,
+                    )
+                ]
+                lim = Limits()
+                for rep in range(args.reps):
+                    print(f"{name}: rep {rep}", flush=True)
+                    measure_limits(setup, lim, parts, concurrency)
+                    live = [x for x in results if not x.refused]
+                    for lib in live[rep % len(live) :] + live[: rep % len(live)]:
+                        try:
+                            library_epochs(setup, lib, rep)
+                        except Exception as exc:  # a peer that can't read this shape
+                            if lib.name == "asynccache":
+                                raise
+                            lib.refused = f"failed: {last_line(exc)}"
+                            print(f"  {lib.name}: {lib.refused}", flush=True)
+                            forget(lib.name)
+                delete_prefix(client, f"{name}/")
+                if not args.src_dir:
+                    shutil.rmtree(src, ignore_errors=True)
+                runs.append(ShapeRun(shape, setup, lim, results, payload(shape, n)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report_matrix(args, runs, date, load_before, concurrency)
+
+
+# Targets per shape (docs/performance.md, "Where the CPU goes, by item shape").
+WARM_X, COLD_IV, SHUFFLED_COLD_IV, PER_ITEM_WARM_X = 1.5, 0.85, 0.8, 1.0
+
+
+def binding(lim: Limits, rep: int, shuffled: bool, n: int) -> str:
+    """Which term of the cold ceiling (iv) binds in repetition ``rep``."""
+    g = lim.raw_get[rep]
+    c = (lim.ceiling_shuffled if shuffled else lim.ceiling)[rep]
+    cpu = (g.cpu + g.cpu_store + g.cpu_proxy + c.cpu) / limits.cores()
+    terms = {"raw GET (i)": g.seconds, "loader ceiling (iii)": c.seconds, "the cores": cpu}
+    return max(terms, key=lambda k: terms[k])
+
+
+def verdicts(r: ShapeRun, lib: Lib) -> str:
+    """asynccache's targets on this shape: met, or which are not and what limits them."""
+    med = statistics.median
+    n, lim = r.setup.n, r.lim
+    reps = range(len(lim.raw_get))
+    gib = r.payload / GIB
+    per_item = r.shape.per_item
+    warm_x = PER_ITEM_WARM_X if per_item else WARM_X
+    missed = []
+    checks = [
+        ("warm", med(ratios(lib.warm, [c.rate for c in lim.ceiling])), warm_x, None),
+        (
+            "shuffled warm",
+            med(ratios(lib.shuffled_warm, [c.rate for c in lim.ceiling_shuffled])),
+            warm_x,
+            None,
+        ),
+        (
+            "cold",
+            med(ratios(lib.cold, [lim.cold_ceiling(k, False, n) for k in reps])),
+            COLD_IV,
+            False,
+        ),
+        (
+            "shuffled cold",
+            med(ratios(lib.shuffled, [lim.cold_ceiling(k, True, n) for k in reps])),
+            SHUFFLED_COLD_IV,
+            True,
+        ),
+    ]
+    cpu = med(e.cpu for e in lib.cold) / gib
+    cpu_iii = med(c.cpu for c in lim.ceiling) / gib
+    for what, got, want, shuffled in checks:
+        if got >= want:
+            continue
+        if shuffled is None:
+            why = "per-item path (transform / collate_fn)" if per_item else f"path: {lib.path}"
+        else:
+            why = f"(iv) bound by {binding(lim, 0, shuffled, n)}"
+        missed.append(f"{what} {got:.2f} < {want:g} ({why})")
+    if cpu > cpu_iii:
+        missed.append(f"CPU {cpu:.2f} > (iii)'s {cpu_iii:.2f} s/GiB")
+    return "met" if not missed else "not met: " + "; ".join(missed)
+
+
+def report_matrix(
+    args: argparse.Namespace, runs: list[ShapeRun], date: str, load_before: str, concurrency: int
+) -> None:
+    cell = limits.cell
+    print(
+        f"\ncompare --shapes: {', '.join(r.shape.name for r in runs)}; "
+        f"{args.total_mb if args.total_mb is not None else 'default'} MiB each, chunks "
+        f"{args.chunk_mb} MiB, batch {args.batch}, workers {args.workers}, raw GET at "
+        f"{concurrency} in flight; median (min-max) of {args.reps}; {date}; {limits.cores()} "
+        f"cores; load {load_before} before, {limits.loadavg()} after; tree {tree_commit()}"
+    )
+    print(limits.versions("asynccache", "litdata", "mosaicml-streaming", "torch", "numpy"))
+    print(
+        "\n| shape | items | library | path | cold ÷ (iv) | shuffled cold ÷ (iv) | warm ÷ (iii) "
+        "| shuffled warm ÷ (iii) | first batch s, cold / shuffled / warm "
+        "| client CPU s/GiB, cold ÷ (iii)'s | peak PSS MiB, cold | targets |"
+    )
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in runs:
+        lim, n = r.lim, r.setup.n
+        reps = range(len(lim.raw_get))
+        iv = [lim.cold_ceiling(k, False, n) for k in reps]
+        iv_sh = [lim.cold_ceiling(k, True, n) for k in reps]
+        iii = [c.rate for c in lim.ceiling]
+        iii_sh = [c.rate for c in lim.ceiling_shuffled]
+        gib = r.payload / GIB
+        iii_cpu = [c.cpu / gib for c in lim.ceiling]
+        for lib in r.results:
+            head = f"| {r.shape.name} | {n:,} | {lib.name} "
+            if lib.refused or not lib.cold:
+                print(head + f"| {lib.refused or 'no epoch'} | | | | | | | | |")
+                continue
+            k = len(lib.cold)
+            cpu = [e.cpu / gib for e in lib.cold]
+            first = "/".join(
+                f"{statistics.median(e.first_s for e in eps):.2f}"
+                for eps in (lib.cold, lib.shuffled, lib.warm)
+            )
+            print(
+                head + f"| {lib.path or '-'} | {cell(ratios(lib.cold, iv[:k]), '.2f')} "
+                f"| {cell(ratios(lib.shuffled, iv_sh[:k]), '.2f')} "
+                f"| {cell(ratios(lib.warm, iii[:k]), '.2f')} "
+                f"| {cell(ratios(lib.shuffled_warm, iii_sh[:k]), '.2f')} | {first} "
+                f"| {cell([c / i for c, i in zip(cpu, iii_cpu[:k], strict=True)], '.2f')} "
+                f"| {cell([e.pss / MIB for e in lib.cold])} "
+                f"| {verdicts(r, lib) if lib.name == 'asynccache' else '-'} |"
+            )
+        print(
+            f"| {r.shape.name} | {n:,} | limits | - | (i) {cell([n / g.seconds for g in lim.raw_get])}"
+            f" items/s | (iv) {cell(iv)} / shuffled {cell(iv_sh)} | (iii) {cell(iii)} "
+            f"| shuffled {cell(iii_sh)} | - | (iii) {cell(iii_cpu, '.2f')} s/GiB "
+            f"| (iii) {cell([c.pss / MIB for c in lim.ceiling])} | - |"
+        )
 
 
 def ratios(xs: Sequence[Epoch], ys: Sequence[float]) -> list[float]:
@@ -1178,7 +1549,11 @@ def quiet() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256, help="dataset size, MiB")
+    ap.add_argument(
+        "--total-mb",
+        type=int,
+        help="dataset size, MiB (default 256; with --shapes 1024, small_mixed 200,000 items)",
+    )
     ap.add_argument("--chunk-mb", type=int, default=64, help="chunk size, MiB")
     ap.add_argument("--item-kb", type=int, default=100, help="item size, KiB")
     ap.add_argument("--batch", type=int, default=64)
@@ -1209,7 +1584,19 @@ def main() -> None:
         metavar="N",
         help="each library's cache limit, MiB: two epochs per loader instead of cold/warm",
     )
-    run(ap.parse_args())
+    ap.add_argument(
+        "--shapes",
+        help=f"the shape matrix: comma-separated, of {','.join(SHAPES)} (or 'all')",
+    )
+    args = ap.parse_args()
+    if args.shapes:
+        if args.shapes == "all":
+            args.shapes = ",".join(SHAPES)
+        run_matrix(args)
+        return
+    if args.total_mb is None:
+        args.total_mb = 256
+    run(args)
 
 
 if __name__ == "__main__":
