@@ -48,6 +48,7 @@ import numpy as np
 import xxhash
 
 from ..errors import BadIndexError, CorruptIndexError
+from . import bounds
 
 MAGIC = b"ACIDXCOL"
 LAYOUT = 1
@@ -450,6 +451,10 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
         raise BadIndexError(f"{where}: items and bytes must be non-negative")
     if start[0] != 0 or not np.array_equal(np.diff(start), items):
         raise BadIndexError(f"{where}: item_start does not add up the item counts")
+    # int64 differences wrap: a start past int64's end can still differ by the counts.
+    if (start[1:] < start[:-1]).any():
+        raise BadIndexError(f"{where}: item_start does not add up the item counts")
+    bounds.columns_fit(items, sizes, col("tokens", n) if "tokens" in arrays else None, where)
     tokens = col("tokens", n) if "tokens" in arrays else None
     if tokens is not None and n and tokens.min() < 0:
         raise BadIndexError(f"{where}: tokens must be non-negative")
@@ -464,6 +469,8 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
             s = np.sort(keys)
             if (s[1:] == s[:-1]).any():
                 raise BadIndexError(f"{where}: a chunk filename appears twice")
+        elif keys is None and n > 1 and _rows_repeat(fields):
+            raise BadIndexError(f"{where}: a chunk filename appears twice")
     else:
         ns = col("name_start", n + 1)
         blob = arrays.get("name_bytes")
@@ -471,6 +478,8 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
             raise BadIndexError(f"{where}: column 'name_bytes' is missing")
         lens = np.diff(ns)
         if ns[0] != 0 or ns[-1] != len(blob) or (n and lens.min() <= 0):
+            raise BadIndexError(f"{where}: name_start does not match the name bytes")
+        if (ns[1:] <= ns[:-1]).any():  # (wrapped differences, as for item_start)
             raise BadIndexError(f"{where}: name_start does not match the name bytes")
         names = TableNames(ns, blob)
         _check_table(names, lens, where)
@@ -488,13 +497,28 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
     return Columns(items, sizes, start, names, checks, tokens, runs_)
 
 
+def _rows_repeat(fields: Sequence[np.ndarray]) -> bool:
+    """Whether two chunks have the same numbers in every field (the same name), for the
+    patterns :func:`_combined` can't fold into one int64 (no numbers, or large ones)."""
+    if not fields:
+        return True  # every chunk has the pattern's one fixed name
+    order = np.lexsort(fields)
+    same = np.ones(len(order) - 1, dtype=bool)
+    for f in fields:
+        g = f[order]
+        same &= g[1:] == g[:-1]
+    return bool(same.any())
+
+
 def _check_table(names: TableNames, lens: np.ndarray, where: str) -> None:
     blob = names.blob
     bad = np.isin(blob, np.frombuffer(b"/\\:\0", np.uint8))
     if bad.any():
         c = int(np.searchsorted(names.start, int(np.argmax(bad)), side="right") - 1)
+        shown = bytes(blob[int(names.start[c]) : int(names.start[c + 1])])  # maybe not UTF-8
         raise BadIndexError(
-            f"{where}: chunk filename {names.name(c)!r} points outside the dataset directory"
+            f"{where}: chunk filename {shown.decode(errors='replace')!r} points outside the "
+            "dataset directory"
         )
     starts = names.start[:-1]
     dot = blob[starts] == ord(".") if len(blob) else np.zeros(0, bool)
@@ -507,6 +531,9 @@ def _check_table(names: TableNames, lens: np.ndarray, where: str) -> None:
         bytes(blob).decode()
     except UnicodeDecodeError as exc:
         raise BadIndexError(f"{where}: chunk filenames are not UTF-8") from exc
+    # Each name must decode on its own: none may start inside another's character.
+    if len(blob) and ((blob[starts] & 0xC0) == 0x80).any():
+        raise BadIndexError(f"{where}: a chunk filename starts inside a UTF-8 character")
 
 
 def _check_runs(r: KeyRuns, items: np.ndarray, total: int, where: str) -> None:
@@ -515,6 +542,9 @@ def _check_runs(r: KeyRuns, items: np.ndarray, total: int, where: str) -> None:
         raise bad
     if (r.count <= 0).any():
         raise bad
+    if (r.start[1:] < r.start[:-1]).any() or (r.first < 0).any():
+        raise bad
+    bounds.total(r.count, "the key runs' counts", where)
     ends = np.concatenate([[0], np.cumsum(r.count)])
     if not np.array_equal(ends[r.start[1:]] - ends[r.start[:-1]], items):
         raise BadIndexError(f"{where}: a chunk's keys don't add up to its item count")

@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 
 from ..errors import BadIndexError, CorruptIndexError, UnsafePathError
+from . import bounds
 from . import columns as cols_mod
 from .columns import Columns
 
@@ -565,6 +566,7 @@ def _meta(doc: dict[str, Any], where: str, verified: bool) -> IndexMeta:
         for what, v in (("bytes", size), ("chunks", n)):
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
                 raise BadIndexError(f"{where}: {what} must be a non-negative integer")
+        _check_meta_counts(doc, where)
         pat = (doc.get("names") or {}).get("pattern")
         parts = None
         if pat is not None:
@@ -633,9 +635,13 @@ def load(text: str | bytes, where: str) -> Index | IndexMeta:
     try:
         chunks: Any = []
         first = 0
-        for c in doc["chunks"]:  # a chunk without "keys" continues where the last ended
-            chunks.append(_entry(c, where, first))
-            first += chunks[-1].items
+        if not isinstance(doc["chunks"], list):
+            kind = type(doc["chunks"]).__name__
+            raise BadIndexError(f"{where}: chunks must be a list, got {kind}")
+        _check_header_fields(doc, where)
+        for i, c in enumerate(doc["chunks"]):  # without "keys": continues where the last ended
+            chunks.append(_entry(c, where, first, f"chunks[{i}]"))
+            first = bounds.count(first + chunks[-1].items, "total_items", where)
         chunks = tuple(chunks)
         idx = Index(
             chunks,
@@ -644,7 +650,10 @@ def load(text: str | bytes, where: str) -> Index | IndexMeta:
             doc.get("token"),
             verified=verified,
         )
-        totals = {"total_items": first, "total_bytes": sum(c.bytes for c in chunks)}
+        totals = {
+            "total_items": first,
+            "total_bytes": bounds.count(sum(c.bytes for c in chunks), "total_bytes", where),
+        }
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, BadIndexError):
             raise
@@ -659,11 +668,14 @@ def load(text: str | bytes, where: str) -> Index | IndexMeta:
     return idx
 
 
-def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:
+def _entry(c: Mapping[str, Any], where: str, first: int, at: str = "chunk") -> ChunkEntry:
+    if not isinstance(c, dict):
+        raise BadIndexError(f"{where}: {at} must be an object, got {type(c).__name__}")
     name = check_filename(c["filename"], where)
     items, size, ck = c["items"], c["bytes"], c["checksum"]
-    if not (isinstance(items, int) and items >= 0 and isinstance(size, int) and size >= 0):
-        raise BadIndexError(f"{where}: {name}: items and bytes must be non-negative integers")
+    items = bounds.count(items, f"{at}.items ({name})", where)
+    size = bounds.count(size, f"{at}.bytes ({name})", where)
+    bounds.fits(items, size, f"{at}.items ({name})", where)
     if not (isinstance(ck, str) and ck.startswith(CHECKSUM_ALGO + ":")):
         raise BadIndexError(f"{where}: {name}: checksum {ck!r} is not {CHECKSUM_ALGO}")
     tokens = c.get("tokens")
@@ -671,8 +683,57 @@ def _entry(c: Mapping[str, Any], where: str, first: int) -> ChunkEntry:
         isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
     ):
         raise BadIndexError(f"{where}: {name}: tokens must be a non-negative integer")
-    keys = tuple((int(a), int(b)) for a, b in c.get("keys", [[first, items]]))
+    if tokens is not None:
+        bounds.tokens_fit(bounds.count(tokens, f"{at}.tokens", where), size, at, where)
+    default = [[first, items]] if items else []
+    keys = _key_runs(c.get("keys", default), items, where, f"{at}.keys ({name})")
     return ChunkEntry(name, items, size, ck, keys, tokens)
+
+
+def _key_runs(raw: Any, items: int, where: str, at: str) -> tuple[tuple[int, int], ...]:
+    """A chunk's ``keys``: at most ``items`` runs ``[first, count]`` of real integers,
+    ``first`` from 0 and ``count`` from 1 (each run holds at least one of its items)."""
+    if not isinstance(raw, list) or len(raw) > items:
+        raise BadIndexError(f"{where}: {at} must be a list of at most {items} [first, count] runs")
+    out = []
+    for j, run in enumerate(raw):
+        if not (isinstance(run, list) and len(run) == 2):
+            raise BadIndexError(f"{where}: {at}[{j}] must be a [first, count] pair")
+        out.append(
+            (
+                bounds.count(run[0], f"{at}[{j}][0]", where),
+                bounds.count(run[1], f"{at}[{j}][1]", where, least=1),
+            )
+        )
+    return tuple(out)
+
+
+def _check_header_fields(doc: Mapping[str, Any], where: str) -> None:
+    """``config`` an object, ``writer`` a count and ``token`` a string, where present."""
+    config = doc.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise BadIndexError(f"{where}: config must be an object, got {type(config).__name__}")
+    bounds.optional_count(doc.get("writer"), "writer", where)
+    token = doc.get("token")
+    if token is not None and not isinstance(token, str):
+        raise BadIndexError(f"{where}: token must be a string, got {type(token).__name__}")
+
+
+def _check_meta_counts(doc: Mapping[str, Any], where: str) -> None:
+    """A version-2 ``index.json``'s counts against each other, before its sidecar is
+    fetched: each chunk takes at least 32 bytes of the sidecar (its items, bytes,
+    checksum and item start), each item at least its offset entry of the chunks' bytes."""
+    _check_header_fields(doc, where)
+    n = bounds.count(doc["chunks"], "chunks", where)
+    size = bounds.count(doc["columns"]["bytes"], "columns.bytes", where)
+    items = bounds.count(doc["total_items"], "total_items", where)
+    total_bytes = bounds.count(doc["total_bytes"], "total_bytes", where)
+    if n > size // 32:
+        raise BadIndexError(
+            f"{where}: chunks: {n} chunks can't be described by a sidecar of {size} bytes "
+            "(columns.bytes)"
+        )
+    bounds.fits(items, total_bytes, "total_items", where)
 
 
 def merge(parts: Iterable[Index], config: Mapping[str, Any] | None = None) -> Index:

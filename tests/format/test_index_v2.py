@@ -146,10 +146,10 @@ def test_unsafe_names_in_index_json_are_refused(edit) -> None:
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", "..", "c:d"])
 def test_unsafe_names_in_the_sidecar_are_refused(bad) -> None:
-    c = from_lists([1, 1], [5, 5], ["ok.bin", bad], [((0, 1),), ((1, 1),)], checksums=[1, 2])
+    c = from_lists([1, 1], [64, 64], ["ok.bin", bad], [((0, 1),), ((1, 1),)], checksums=[1, 2])
     idx = Index(Index(()).chunks)  # an empty index, to borrow its writer
     object.__setattr__(idx, "_cols", c)
-    stand_in = [ChunkEntry(f"x{i}", 1, 5, CK.format(1), ((i, 1),)) for i in range(2)]
+    stand_in = [ChunkEntry(f"x{i}", 1, 64, CK.format(1), ((i, 1),)) for i in range(2)]
     object.__setattr__(idx, "chunks", stand_in)
     _, data, text = idx.to_columns()
     meta = load(text, "ds/index.json")
