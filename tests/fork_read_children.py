@@ -23,12 +23,12 @@ def take_locks(ds: Any, out: Any, go: Any) -> None:
     """Take the dataset's mutexes (bounded) and read an item, report, then stay alive."""
     try:
         got = []
-        for lock in (ds.source._mu, ds._reader._lock):
+        for lock in (ds.source._mu, ds.reader._lock):
             ok = lock.acquire(timeout=5.0)
             got.append(ok)
             if ok:
                 lock.release()
-        out.put(("ok", got, ds[40]["name"], sorted(ds._reader._open)))
+        out.put(("ok", got, ds[40]["name"], sorted(ds.reader._open)))
     except BaseException as exc:
         out.put(("error", repr(exc)))
     go.wait(_WAIT_S)

@@ -96,7 +96,7 @@ def test_child_never_inherits_a_held_mutex(remote, tmp_path, ctx) -> None:
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with ds.source._mu, ds._reader._lock:
+        with ds.source._mu, ds.reader._lock:
             held.set()
             release.wait(_WAIT_S)
 

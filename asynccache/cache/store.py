@@ -660,6 +660,20 @@ class ChunkStore:
         await wait_lock(fd, True, _EVICT_LOCK_TIMEOUT_S, path)  # closes fd on failure
         return fd
 
+    def budget(self) -> int:
+        """The bytes this cache may hold: ``max_cache_bytes``, or less where its file
+        system holds less (what the cache holds now plus the room left). The one answer
+        to "what is the budget" above the store."""
+        room = self._room()
+        if room >= self.max_cache_bytes:
+            return self.max_cache_bytes  # (no scan needed: the disk is no limit)
+        used, _ = usage.scan(self.cache_dir, self.root)
+        return max(0, min(self.max_cache_bytes, used + room))
+
+    def fits(self, nbytes: int) -> bool:
+        """``nbytes`` fit in :meth:`budget` (a whole dataset, a plan's minimum)."""
+        return nbytes <= self.budget()
+
     def _room(self) -> int:
         """What the filesystem can still take, less the margin (rebuilds a deleted dir)."""
         try:

@@ -97,14 +97,7 @@ def _world() -> tuple[int, int, Callable[[object], object]]:
     from ..torch import distributed as tdist
 
     rank, world = tdist.rank_and_world()
-    if world > 1:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                f"optimize under RANK={rank} WORLD_SIZE={world} needs a torch.distributed "
-                "process group (dist.init_process_group('gloo') before calling it)"
-            )
+    tdist.require_group(rank, world, "optimize")
     return rank, world, tdist.broadcast
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -38,6 +39,7 @@ __all__ = [
     "EpochSpec",
     "PlanCache",
     "ReadPlan",
+    "ReaderPlace",
     "View",
     "min_budget_message",
     "union_runs",
@@ -68,36 +70,43 @@ class View(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class ReaderPlace:
+    """Where one reader stands in the node's epoch: the positions still to read
+    (``remaining``, split over ``world`` ranks x ``num_workers`` workers in batches of
+    ``batch_size``, of which each rank's consumer received ``received``), and which
+    reader of them it is (``rank``, ``worker``: the logical worker it plays)."""
+
+    epoch: int
+    remaining: tuple[Interval, ...]
+    received: int
+    world: int
+    rank: int
+    num_workers: int
+    worker: int
+    batch_size: int
+    drop_last: bool
+
+
 class EpochSpec:
-    """How the node reads one epoch: the arguments of the sampler, for every reader."""
+    """How the node reads one epoch: where this reader stands (``place``) and the order
+    every reader follows (``order``, over ``units``; ``view``: the positions are those
+    of a mix of datasets)."""
 
     def __init__(
         self,
-        *,
-        epoch: int,
-        seed: int,
-        shuffle: bool,
-        window: int,
-        remaining: Sequence[Interval],
-        received: int,
-        world: int,
-        rank: int,
-        num_workers: int,
-        worker: int,
-        batch_size: int,
-        drop_last: bool,
-        subsample: float | None = None,
-        epoch_size: int | None = None,
+        place: ReaderPlace,
+        order: OrderSpec,
         units: Units | None = None,
         view: View | None = None,
     ) -> None:
-        self.epoch, self.seed, self.shuffle, self.window = epoch, seed, shuffle, window
-        self.order = OrderSpec(seed, shuffle, window, subsample, epoch_size)
-        self.units, self.view = units, view
-        self.remaining = [(int(a), int(b)) for a, b in remaining]
-        self.received = received
-        self.world, self.rank, self.num_workers, self.worker = world, rank, num_workers, worker
-        self.batch_size, self.drop_last = batch_size, drop_last
+        self.place, self.order, self.units, self.view = place, order, units, view
+        self.epoch, self.received = place.epoch, place.received
+        self.remaining = [(int(a), int(b)) for a, b in place.remaining]
+        self.world, self.rank = place.world, place.rank
+        self.num_workers, self.worker = place.num_workers, place.worker
+        self.batch_size, self.drop_last = place.batch_size, place.drop_last
+        self.seed, self.shuffle, self.window = order.seed, order.shuffle, order.window
 
     @property
     def readers(self) -> int:

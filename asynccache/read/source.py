@@ -20,7 +20,7 @@ import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -43,9 +43,8 @@ from ..errors import (
 )
 from ..format import INDEX_NAME, ChunkEntry, Index
 from ..format.index import IndexMeta
-from ..sampling.order import Units
 from ..storage import open_storage
-from .readplan import EpochSpec, PlanCache, ReadPlan, View, raise_if_below
+from .readplan import EpochSpec, PlanCache, ReadPlan, raise_if_below
 
 # Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
 # made ahead, so their downloads start without a reservation (Downloader._make_ahead).
@@ -388,39 +387,22 @@ class DatasetSource:
         if self.remote and not self.planned:
             self.downloader().hint([self.spec(ci) for ci in chunks])
 
+    def fits_cache(self) -> bool:
+        """The whole dataset fits this node's cache budget (the store's answer: the
+        setting, or less where the file system holds less). Remote datasets only."""
+        return self.downloader().store.fits(int(self.index.bytes_per_chunk.sum()))
+
     # -- the epoch plan ------------------------------------------------------------
     @property
     def planned(self) -> bool:
         """This process reads by an epoch plan (see :meth:`plan_epoch`)."""
         return self._follow is not None and self._follow_pid == os.getpid()
 
-    def plan_epoch(
-        self,
-        *,
-        epoch: int,
-        seed: int,
-        shuffle: bool,
-        window: int,
-        remaining: Sequence[tuple[int, int]],
-        received: int,
-        world: int,
-        rank: int,
-        num_workers: int,
-        worker: int,
-        batch_size: int,
-        drop_last: bool,
-        skipped: int = 0,
-        subsample: float | None = None,
-        epoch_size: int | None = None,
-        units: Units | None = None,
-        view: View | None = None,
-    ) -> None:
-        """This process is reader ``rank * num_workers + worker`` of an epoch read in the
-        sampler's order (see :mod:`asynccache.read.readplan`); remote datasets only.
-        ``skipped``: positions of its part this reader skips at the start (its own resume).
-        ``subsample``, ``epoch_size``, ``units``: how the order is made
-        (:class:`~asynccache.sampling.order.ReadOrder`); ``view``: the positions are those
-        of a mix of datasets (:class:`~asynccache.read.readplan.View`).
+    def plan_epoch(self, spec: EpochSpec, skipped: int = 0) -> None:
+        """This process is reader ``spec.place`` of an epoch read in the sampler's order
+        ``spec.order`` (see :mod:`asynccache.read.readplan`); remote datasets only.
+        ``skipped``: positions of its part this reader skips at the start (its own resume,
+        and batches the main process built before it started).
 
         From here on the cache evicts and prefetches by the whole node's plan (every rank
         and worker reading this dataset this way), this reader's hints come from it, and
@@ -464,7 +446,8 @@ class DatasetSource:
             dl.store.policy = follow.policy
         if old is not None:
             old.close()
-        want = dl.window_depth(self.mean_chunk_bytes) + (window if shuffle else 0) + HINT_PAST
+        window = spec.window if spec.shuffle else 0
+        want = dl.window_depth(self.mean_chunk_bytes) + window + HINT_PAST
         # Sent when the reader starts reading (see send_hint): range reads of its first
         # items must find connections free, not queue behind a prefetch window of parts.
         self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import Settings, as_size
@@ -94,7 +96,7 @@ class Cache:
         self.verify = verify
         self._writer: ChunkWriter | None = None
         self._reader: Reader | None = None
-        # Set by CacheDataLoader for one write pass; see _begin_write.
+        # Set by CacheDataLoader for one write pass; see begin_write.
         self._writer_id: int | None = None
         self._token: str | None = None
         self._accept = True
@@ -202,13 +204,15 @@ class Cache:
                     "directory to write the dataset again"
                 )
             remove_partial(self.input_dir, token)  # what a crashed earlier write left
-            self._begin_write(writer, self._token)
+            self.begin_write(writer, self._token)
         except BaseException:
             lock.release()
             raise
         self._lock = lock
 
-    def _begin_write(self, writer_id: int, token: str | None) -> None:
+    def begin_write(self, writer_id: int, token: str | None) -> None:
+        """Write this process's items as writer ``writer_id`` of job ``token`` (a loader's
+        write pass; ``token``: the job's claim on the directory, checked now)."""
         if token is not None:
             check_token(self.input_dir, token)  # WriteConflictError: another job's dir now
         self._writer_id, self._token = writer_id, token
@@ -222,11 +226,25 @@ class Cache:
             compression=self.compression,
         )
 
-    def _finish_write(self) -> None:
+    def finish_write(self) -> None:
         """Flush this writer's last chunk and publish its ``{writer}.index.json``."""
         if self._writer is not None:
             self._writer.finish()
             self._writer = None
+
+    def abandon_write(self) -> None:
+        """Drop this process's writer without publishing its index (an abandoned pass)."""
+        self._writer = None
+
+    @contextlib.contextmanager
+    def accepting(self, accept: bool) -> Iterator[None]:
+        """Within: ``cache[key] = item`` writes only when ``accept`` (a dataset that fills
+        its own cache in ``__getitem__`` writes each item once, at its first read)."""
+        before, self._accept = self._accept, accept
+        try:
+            yield
+        finally:
+            self._accept = before
 
     def done(self) -> Index:
         """Finish writing from a single process: publish the last chunk and ``index.json``."""
@@ -235,7 +253,7 @@ class Cache:
         assert self._writer is not None
         writer = self._writer.writer
         try:
-            self._finish_write()
+            self.finish_write()
             index = merge_dir(self.input_dir, [writer], token=None)
         finally:
             if self._lock is not None:

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import os
 import secrets
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
-from torch.utils.data._utils import signal_handling
 
-from ..cache.usage import scan
 from ..config import Settings
-from ..errors import ConfigError, ResumeStateError, WorkerStartError
+from ..errors import ConfigError, ResumeStateError
 from ..write.writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
-from .fetcher import FetcherStats
+from .epoch import EpochDataset
+from .loader_stats import LoaderStats
 from .map_order import EpochSampler, epoch_order, map_batch_count, map_batches, rank_share
+from .received import EpochBatches
 from .streaming import StreamingDataset
+from .workers import lazy, led
 from .writepass import (
     IterableWritePass,
     MapWritePass,
@@ -47,165 +44,25 @@ _PASSED = (
 STATE_VERSION = 1
 
 
-# The most the batches built in the main process delay the start of the workers. On
-# loopback they are built in about 0.1 s and the workers fork after them (a fork holds
-# the interpreter lock); on a far link building them is 0.3-0.5 s of waiting for range
-# reads, during which the workers' own chunk GETs are better under way (docs/streaming.md,
-# "The workers' start"): 0.15 s, measured against 1.0 s and 0.05 s. Where this process
-# has measured the link as far (StreamingDataset._far_link), the workers start at once.
-_START_AFTER_S = 0.15
-_START_POLL_S = 0.01  # how often the wait looks at the link's estimate
-
-
 def _identity(batch: Any) -> Any:
     return batch
 
 
-def _lazy(loader: Iterable[Any]) -> Iterator[Any]:
-    """Iterate ``loader`` only when the first batch is asked for (DataLoader workers
-    start then, not at ``iter()``); its workers end with the epoch (see :func:`_ended`)."""
-    it = iter(loader)
-    with _ended(loader, it):
-        yield from it
-
-
-@contextlib.contextmanager
-def _ended(loader: Any, it: Iterator[Any]) -> Iterator[None]:
-    """Shut down the workers of ``it`` (an iterator of ``loader``) when the epoch ends by
-    an error or is closed, not when the iterator is collected.
-
-    An error's traceback holds the iterator (torch's frames have it as ``self``), and a
-    caller keeping the error (a test, a log) keeps it in a reference cycle. The cycle
-    collector then clears the weak references of its queues before it calls its
-    ``__del__``: their feeder threads are gone, the end-of-work signal never reaches the
-    workers, and torch waits 5 s for each before killing it. Shut down here, they get
-    it at once. (A persistent loader keeps its workers for the next epoch.)"""
-    try:
-        yield
-    except BaseException:
-        if not getattr(loader, "persistent_workers", False):
-            _shut_down(it)
-        raise
-
-
-def _led(ds: StreamingDataset, loader: DataLoader[Any]) -> Iterator[Any]:
-    """At the first batch asked for: build the first batches here (up to
-    ``_LEAD_BATCHES``, one per worker, their items read in one round), hand them over
-    while a thread starts the workers, then the workers' batches, which begin after
-    them. The order of batches and the states taken between them are those of an epoch
-    whose workers made every batch. Starting the workers is bounded
-    (``Settings.worker_start_s``: :class:`WorkerStartError`); workers that start after
-    the bound, or that nobody will read (the consumer left before their first batch),
-    are shut down at once."""
-    runs = ds._lead()
-    if runs is None:
-        yield from _lazy(loader)
-        return
-    no = ds._lead_no
-    # A fork is milliseconds; spawn and forkserver hand the pickled dataset to fresh
-    # interpreters (the fork server may have to start first, importing torch).
-    bound = ds.settings.worker_start_s
-    if threading.current_thread() is threading.main_thread():
-        # torch installs its handler reporting a dead worker only from the main thread.
-        signal_handling._set_SIGCHLD_handler()
-    started: list[Iterator[Any]] = []
-    failed: list[BaseException] = []
-    go = threading.Event()  # set: the batch is built (or building it failed)
-    late = threading.Event()  # set: the workers' start ran past its bound
-    built: list[bool] = []
-    mu = threading.Lock()  # hands a started iterator over, or leaves it to be shut down
-
-    def start() -> None:
-        # Forking holds the interpreter lock: wait until the batch is built, so the
-        # batch is handed over at once; batches that take long (a slow link) get the
-        # workers' start beside them after _START_AFTER_S, or at once on a link known
-        # to be far (the batches wait on the network there, not on this CPU).
-        until = time.monotonic() + _START_AFTER_S
-        while not go.is_set() and not ds._far_link():
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            go.wait(min(left, _START_POLL_S))
-        if go.is_set() and not built:
-            return  # building it failed: nothing to start
-        try:
-            it = iter(loader)  # forks (or spawns) the workers
-        except BaseException as exc:  # raised to the consumer at the next batch
-            failed.append(exc)
-            return
-        with mu:
-            orphan = late.is_set()  # the consumer gave up waiting: nobody will read them
-            if not orphan:
-                started.append(it)
-        if orphan:
-            _shut_down(it)
-
-    starter = threading.Thread(target=start, name="asynccache-workers", daemon=True)
-    starter.start()
-    try:
-        ds._lead_expect(runs)  # one round of range reads for every batch built here
-        # All built before the first is handed over: the forks then hold the interpreter
-        # lock while the consumer has the first batch, and the second is ready at once.
-        ready = [ds._lead_batch(keys) for keys in runs]
-        built.append(True)
-        go.set()  # the workers start while the consumer has the first batch
-        while ready:
-            yield ready.pop(0)  # (the consumer's now)
-        _join_started(starter, loader, late, bound)
-        if failed:
-            raise failed[0]
-        with _ended(loader, started[0]):
-            yield from started[0]
-    finally:
-        go.set()
-        # First: a worker waiting for a chunk the main process started for it (its
-        # download lock) would hold its own shutdown up until torch kills it.
-        ds._head_stop()
-        # Not again for the whole bound when it has passed once (the error is waiting):
-        # workers that start later find `late` set and shut themselves down.
-        starter.join(0 if late.is_set() else bound)
-        with mu:
-            gave_up = late.is_set()
-            late.set()
-            left, started[:] = list(started), []
-        for it in left:  # never read to their end: not the epoch's workers any more
-            if gave_up or not getattr(loader, "persistent_workers", False):
-                _shut_down(it)
-                if getattr(loader, "_iterator", None) is it:
-                    loader._iterator = None  # (a persistent loader starts anew)
-        ds._lead_done(no)
-
-
-def _join_started(
-    starter: threading.Thread, loader: DataLoader[Any], late: threading.Event, bound: float
-) -> None:
-    """Wait for ``starter`` to have started ``loader``'s workers, at most ``bound``
-    seconds; past it, raise :class:`WorkerStartError` (workers it starts later are shut
-    down at once)."""
-    starter.join(bound)
-    if not starter.is_alive():
-        return
-    late.set()
-    ctx = loader.multiprocessing_context
-    method = ctx.get_start_method() if ctx is not None else "the default start method"
-    raise WorkerStartError(
-        f"the DataLoader's {loader.num_workers} worker processes ({method}) did not start "
-        f"within {bound:g} s (ASYNCCACHE_WORKER_START_S); the batches built in the main "
-        "process were handed out, the rest of the epoch has no workers to come from"
-    )
-
-
-def _shut_down(it: Iterator[Any]) -> None:
-    """End the worker processes of a DataLoader iterator nobody reads."""
-    shutdown = getattr(it, "_shutdown_workers", None)
-    if callable(shutdown):
-        shutdown()
+def _led(ds: EpochDataset, loader: DataLoader[Any]) -> Iterator[Any]:
+    """At the first batch asked for: the epoch's first batches built here while its
+    workers start (:func:`.workers.led`), or, when the dataset builds none here, the
+    workers' batches as usual."""
+    first = ds.first_batches()
+    if first is None:
+        yield from lazy(loader)
+    else:
+        yield from led(first, loader)
 
 
 class _ByKey(Dataset[Any]):
     """A written dataset read by key: ``ds[k]`` is the item written under key ``k``."""
 
-    def __init__(self, stream: StreamingDataset) -> None:
+    def __init__(self, stream: EpochDataset) -> None:
         self.stream = stream
 
     def __len__(self) -> int:
@@ -213,119 +70,6 @@ class _ByKey(Dataset[Any]):
 
     def __getitem__(self, key: int) -> Any:
         return self.stream[key]
-
-
-class _Epoch:
-    """One epoch's batches as the consumer receives them, and how many it received.
-
-    Invariants:
-
-    * ``received`` is the only count the loader's state reports. It counts the batches
-      returned from ``__next__`` (plus ``received`` at the start, for a resumed epoch).
-    * After ``close()`` nothing is counted any more: a batch that a producer thread
-      stuck inside the source returns later is dropped, not handed out, not counted.
-      The check and the count happen under one lock, so ``close()`` either precedes a
-      batch (not counted) or follows it (counted, and the caller got it).
-    * ``map_order``: the epoch runs in the writing epoch's order (the writing epoch, or
-      its rest read back from the filled cache); else in the streamed order.
-    """
-
-    close_is_thread_safe = True  # the Fetcher may close it while its thread is inside
-
-    def __init__(self, epoch: int, map_order: bool, received: int) -> None:
-        self.epoch, self.map_order, self.received = epoch, map_order, received
-        self._inner: Iterator[Any] = iter(())
-        # Reentrant: a Fetcher collected by the garbage collector closes its epoch from
-        # whatever thread the collection runs on, possibly one inside __next__ here.
-        self._lock = threading.RLock()
-        self._closed = False
-        self._running = False  # a thread is inside next(self._inner)
-
-    def run(self, inner: Iterator[Any]) -> _Epoch:
-        self._inner = inner
-        return self
-
-    def restart(self, epoch: int, map_order: bool) -> None:
-        """The batches that follow belong to ``epoch``, from its start."""
-        with self._lock:
-            self.epoch, self.map_order, self.received = epoch, map_order, 0
-
-    def __iter__(self) -> _Epoch:
-        return self
-
-    def __next__(self) -> Any:
-        with self._lock:
-            if self._closed:
-                raise StopIteration
-            self._running = True
-        try:
-            batch = next(self._inner)
-        except BaseException:
-            with self._lock:
-                self._running = False
-            raise
-        with self._lock:
-            self._running = False
-            closed = self._closed
-            if not closed:
-                self.received += 1
-        if closed:
-            self._close_inner()
-            raise StopIteration
-        return batch
-
-    def close(self) -> None:
-        """Stop the epoch: no batch is handed out or counted after this returns."""
-        with self._lock:
-            self._closed = True
-            running = self._running
-        if not running:  # else the thread inside it closes it when it comes out
-            self._close_inner()
-
-    def _close_inner(self) -> None:
-        close = getattr(self._inner, "close", None)
-        if callable(close):
-            close()
-
-
-@dataclasses.dataclass(frozen=True)
-class LoaderStats:
-    """Download statistics of a loader, summed over its process and all its workers.
-
-    Attributes:
-        bytes, chunks_fetched, hits, misses, retries: the downloaders' counters.
-        wait_s: seconds readers waited for chunks to arrive.
-        cached_bytes: what the local cache directory holds now (all datasets in it).
-        cache_budget: its budget (``max_cache_bytes``).
-        stall: the consumer's waits, from a :class:`Fetcher` (see :meth:`with_stall`).
-    """
-
-    bytes: int = 0
-    chunks_fetched: int = 0
-    hits: int = 0
-    misses: int = 0
-    retries: int = 0
-    wait_s: float = 0.0
-    cached_bytes: int = 0
-    cache_budget: int = 0
-    stall: FetcherStats | None = None
-
-    def with_stall(self, stall: FetcherStats) -> LoaderStats:
-        """These statistics with a Fetcher's stall figures (``fetcher.stats``)."""
-        return dataclasses.replace(self, stall=stall)
-
-    def __str__(self) -> str:
-        text = (
-            f"fetched={self.chunks_fetched} bytes={self.bytes} hits={self.hits} "
-            f"misses={self.misses} retries={self.retries} wait_s={self.wait_s:.3f} "
-            f"cache={self.cached_bytes}/{self.cache_budget}"
-        )
-        if self.stall is not None:
-            text += (
-                f" steps={self.stall.steps} stall_pct={self.stall.stall_pct:.1f} "
-                f"stall_wait_s={self.stall.wait_s:.3f}"
-            )
-        return text
 
 
 class CacheDataLoader(DataLoader[Any]):
@@ -404,10 +148,10 @@ class CacheDataLoader(DataLoader[Any]):
                 )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self._stream: StreamingDataset | None = None
+        self._stream: EpochDataset | None = None
         self._owned = False
         self._stream_loader: DataLoader[Any] | None = None  # kept for persistent workers
-        if isinstance(dataset, StreamingDataset):
+        if isinstance(dataset, EpochDataset):
             if shuffle and not dataset.shuffle:
                 raise ConfigError(
                     "a StreamingDataset orders its own items: pass shuffle=True (and seed) "
@@ -455,7 +199,7 @@ class CacheDataLoader(DataLoader[Any]):
         self._writing = False
         # The epoch started by the latest iter(); None: none since construction,
         # set_epoch() or load_state_dict(). Its `received` is what state_dict reports.
-        self._it: _Epoch | None = None
+        self._it: EpochBatches | None = None
         # Batches of the running streamed epoch received before its loaded state: the
         # state's count is of the whole epoch, the dataset's position of the part.
         self._part_base = 0
@@ -495,7 +239,7 @@ class CacheDataLoader(DataLoader[Any]):
             ).max_cache_bytes
             return LoaderStats(cache_budget=budget)
         totals = ds.download_stats()
-        cached = scan(ds.source.cache_dir)[0] if ds.source.remote else 0
+        cached, budget = ds.cache_usage()
         return LoaderStats(
             bytes=int(totals["bytes"]),
             chunks_fetched=int(totals["chunks_fetched"]),
@@ -504,11 +248,11 @@ class CacheDataLoader(DataLoader[Any]):
             retries=int(totals["retries"]),
             wait_s=totals["wait_s"],
             cached_bytes=cached,
-            cache_budget=ds.settings.max_cache_bytes,
+            cache_budget=budget,
         )
 
     # -- which path an epoch takes -------------------------------------------------
-    def _streaming(self) -> StreamingDataset:
+    def _streaming(self) -> EpochDataset:
         if self._stream is None:
             assert self.cache is not None
             c = self.cache
@@ -613,11 +357,11 @@ class CacheDataLoader(DataLoader[Any]):
         self._part_base = base
         return it.run(self._stream_epoch(epoch, resume))
 
-    def _begin(self, epoch: int, map_order: bool, received: int) -> _Epoch:
+    def _begin(self, epoch: int, map_order: bool, received: int) -> EpochBatches:
         self._epoch = epoch + 1
         self._current = epoch
         self._part_base = 0
-        self._it = _Epoch(epoch, map_order, received)
+        self._it = EpochBatches(epoch, map_order, received)
         return self._it
 
     def _loader(self, dataset: Any, persistent: bool = False, **kw: Any) -> DataLoader[Any]:
@@ -641,7 +385,7 @@ class CacheDataLoader(DataLoader[Any]):
         if loader is None:
             self.batch_fallback = self._batch_fallback(ds)
         # Whole batches from the workers, or items collated here (docs/streaming.md).
-        ds._set_batch_mode(self.drop_last if self.batch_fallback is None else None)
+        ds.set_batch_mode(self.drop_last if self.batch_fallback is None else None)
         if resume is not None:
             ds.load_state_dict(resume["stream"])
         else:
@@ -663,14 +407,14 @@ class CacheDataLoader(DataLoader[Any]):
                 self._stream_loader = loader
             if self._leads(ds):
                 return _led(ds, loader)
-        return _lazy(loader)
+        return lazy(loader)
 
-    def _leads(self, ds: StreamingDataset) -> bool:
+    def _leads(self, ds: EpochDataset) -> bool:
         """This epoch's first batches are built here while the new workers start (whole
         batches from the workers of a StreamingDataset or a mix; docs/streaming.md)."""
         return self.num_workers > 0 and self.batch_fallback is None and ds.settings.first_batch_here
 
-    def _batch_fallback(self, ds: StreamingDataset) -> str | None:
+    def _batch_fallback(self, ds: EpochDataset) -> str | None:
         """Why the streamed epochs collate items in the loader rather than take whole
         batches from the workers (None: they take whole batches)."""
         if self.collate_fn is not default_collate:
@@ -695,9 +439,9 @@ class CacheDataLoader(DataLoader[Any]):
         read back from the filled cache (the dataset is not touched)."""
         ds = self._streaming()
         rest = self._map_batches(epoch, ds.num_items)[skip:]
-        return _lazy(self._loader(_ByKey(ds), batch_sampler=rest, collate_fn=self.collate_fn))
+        return lazy(self._loader(_ByKey(ds), batch_sampler=rest, collate_fn=self.collate_fn))
 
-    def _write_then_stream(self, it: _Epoch, epoch: int, skip: int) -> Iterator[Any]:
+    def _write_then_stream(self, it: EpochBatches, epoch: int, skip: int) -> Iterator[Any]:
         for _ in self._write_epoch(epoch, skip):  # every batch is skipped: nothing comes
             pass
         nxt = self._stream_epoch(epoch + 1, None)
@@ -726,7 +470,7 @@ class CacheDataLoader(DataLoader[Any]):
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
         )
-        yield from _lazy(loader)
+        yield from lazy(loader)
 
     def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
         assert self.cache is not None
@@ -776,7 +520,7 @@ class CacheDataLoader(DataLoader[Any]):
                     self.collate_fn,
                 )
                 loader = self._loader(source, batch_size=None, collate_fn=_identity)
-            for i, batch in enumerate(_lazy(loader)):
+            for i, batch in enumerate(lazy(loader)):
                 if i >= skip:  # the first `skip` were received before the restart
                     yield batch
             writers = range(world.world_size * nw)
@@ -840,7 +584,7 @@ class CacheDataLoader(DataLoader[Any]):
     def _iterable_source(self) -> bool:
         """The writing epoch reads an ``IterableDataset`` (its order is its own)."""
         return isinstance(self.dataset, IterableDataset) and not isinstance(
-            self.dataset, StreamingDataset
+            self.dataset, EpochDataset
         )
 
     def _map_items(self) -> int | None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
 from ..config import launch_env
+from ..errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,20 @@ def current(num_workers: int | None = None, captured: tuple[int, int] | None = N
     if info is not None:
         return World(rank, size, info.id, info.num_workers)
     return World(rank, size, 0, max(1, num_workers or 1))
+
+
+def require_group(rank: int, world: int, what: str) -> None:
+    """A world of several ranks needs an initialised process group (``RANK``/``WORLD_SIZE``
+    alone can't carry the broadcasts ``what`` needs).
+
+    Raises:
+        ConfigError: there are several ranks and no initialised process group.
+    """
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"{what} under RANK={rank} WORLD_SIZE={world} needs a torch.distributed "
+            "process group (dist.init_process_group('gloo') before calling it)"
+        )
 
 
 def broadcast(value: object) -> object:

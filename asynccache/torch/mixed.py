@@ -4,21 +4,21 @@ The mixed epoch is a sequence of slots dealt to the streams (:mod:`asynccache.sa
 the ``k``-th sample of a stream in the epoch reads position ``k`` of that stream's own
 epoch order (its shuffle, ``subsample`` and window), wrapped to the count the mix takes
 from it. Everything about positions (the rank x worker split, padding, ``drop_last``,
-shared epoch counters, exact and elastic resume) is :class:`StreamingDataset`'s, applied to
-the slots of the mix; each stream's :class:`~asynccache.read.source.DatasetSource` plans its own
-reads from the part of its order that every reader of the node takes
-(:class:`~asynccache.read.readplan.View`), so each chunk is downloaded once per node and
-evicted by the node's plan. All streams share the cache directory's budget and the
-process's I/O thread.
+shared epoch counters, exact and elastic resume) is :class:`~.epoch.EpochDataset`'s,
+applied to the slots of the mix. The mix holds its streams and reads them through their
+public reading interface (:class:`~asynccache.read.units.UnitReader`); each stream's
+:class:`~asynccache.read.source.DatasetSource` plans its own reads from the part of its
+order that every reader of the node takes (:class:`~asynccache.read.readplan.View`), so
+each chunk is downloaded once per node and evicted by the node's plan. All streams share
+the cache directory's budget and the process's I/O thread.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
-import os
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,11 +33,15 @@ from ..sampling import Segment
 from ..sampling.mix import MODES, MixOrder, Share, stream_counts
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
+from ..sampling.progress import Progress, drop
 from . import batches, distributed
-from .streaming import _STAT_FIELDS, StreamingDataset, _drop, _Progress, _shared_bytes
+from .epoch import EpochDataset
+from .shared_epoch import STAT_FIELDS
+from .streaming import StreamingDataset, reader_place
 
 __all__ = ["MixedDataset", "Stream"]
 
+log = logging.getLogger(__name__)
 _WINDOW = 4096  # samples of the mix located at a time (see MixedDataset._locate)
 
 
@@ -70,54 +74,6 @@ class _Epoch:
         return np.empty(0, dtype=np.int64)
 
 
-class _Stats:
-    def __init__(self, values: dict[str, float]) -> None:
-        self.__dict__.update(values)
-
-
-class _Sources:
-    """The streams' sources, as one for what :class:`StreamingDataset` asks of its source."""
-
-    def __init__(self, streams: Sequence[StreamingDataset]) -> None:
-        self.streams = list(streams)
-        self.url = "mix(" + ", ".join(s.source.url for s in self.streams) + ")"
-        self.remote = any(s.source.remote for s in self.streams)
-        self.cache_dir = self.streams[0].source.cache_dir
-
-    @property
-    def planned(self) -> bool:
-        return all(s.source.planned for s in self.streams if s.source.remote)
-
-    @property
-    def stats(self) -> _Stats:
-        out = dict.fromkeys(_STAT_FIELDS, 0.0)
-        for s in self.streams:
-            st = s.source.stats
-            for f in _STAT_FIELDS:
-                out[f] += float(getattr(st, f))
-        return _Stats(out)
-
-    def hint(self, chunks: Any) -> None:
-        """Each stream's source follows its own plan."""
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.source.close()
-
-    def wait_published(self) -> bool:
-        return all([s.source.wait_published() for s in self.streams if s.source.remote])
-
-
-class _Readers:
-    def __init__(self, streams: Sequence[StreamingDataset]) -> None:
-        self.streams = list(streams)
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.__dict__.pop("_forms", None)  # (the forms of its chunks hold their mappings)
-            s._reader.close()
-
-
 class _MixView:
     """Stream ``s``'s part of a mixed epoch, for its source's read plan."""
 
@@ -130,7 +86,7 @@ class _MixView:
 
     @property
     def way(self) -> str:
-        return json.dumps(self.owner._identity(), sort_keys=True)
+        return json.dumps(self.owner.identity(), sort_keys=True)
 
     def project(self, epoch: int) -> Any:
         owner = self.owner
@@ -138,14 +94,14 @@ class _MixView:
         def project(segs: list[Segment]) -> list[Segment]:
             out: list[Segment] = []
             for seg in segs:
-                for a, b in owner._projected(epoch, seg.start, seg.end)[self.s]:
+                for a, b in owner.projected(epoch, seg.start, seg.end)[self.s]:
                     out.append(Segment(a, b, seg.pad))
             return out
 
         return project
 
 
-class MixedDataset(StreamingDataset):
+class MixedDataset(EpochDataset):
     """Samples of several :class:`StreamingDataset` streams, mixed by weight.
 
     Iterate it like a :class:`StreamingDataset` (directly, through a DataLoader, or
@@ -222,34 +178,10 @@ class MixedDataset(StreamingDataset):
         for i, (s, n) in enumerate(zip(self.streams, self._mix(0).counts, strict=True)):
             if n and not s.num_items:
                 raise ConfigError(f"stream {i} ({s.source.url}) is empty but the mix takes {n}")
-        # What StreamingDataset's position machinery uses.
-        self.settings = self.streams[0].settings
-        self.source = _Sources(self.streams)  # type: ignore[assignment]
-        self._reader = _Readers(self.streams)  # type: ignore[assignment]
         self.shuffle = any(s.shuffle for s in self.streams)
-        self.shuffle_window = 1
-        self.subsample = None
-        self.drop_last = bool(drop_last)
-        self.transform = None
-        self.item_loader = None
-        self._batch_size = self.mix_batch
-        self._num_workers: int | None = None
-        self._progress = _Progress()
-        self._yielded = 0
-        self._rank_world = distributed.rank_and_world()
-        # A block laid out as a StreamingDataset's (the same size as its streams').
-        self._shared = _shared_bytes(self.streams[0]._shared.numel())
-        self._owner = os.getpid()
-        self._expect = 0
-        self._pending: tuple[_Progress, int] | None = None
-        self._skip = 0
-        self._stats_pid = -1
-        self._stats_base = np.zeros(len(_STAT_FIELDS))
-        self._batch_mode: bool | None = None
-        self._head = 0  # samples handed out by the main process ahead of the workers
-        self._led = 0  # epochs whose first batches this process built
-        self._new_busy()
-        self._publish()
+        self.url = "mix(" + ", ".join(s.source.url for s in self.streams) + ")"
+        self.remote = any(s.source.remote for s in self.streams)
+        super().__init__(self.streams[0].settings, bool(drop_last), self.mix_batch, self.url)
 
     # -- the mix -----------------------------------------------------------------------
     def _mix(self, epoch: int) -> MixOrder:
@@ -261,7 +193,7 @@ class MixedDataset(StreamingDataset):
             self.__dict__["_mix_cache"] = cached
         return cached
 
-    def _projected(self, epoch: int, start: int, end: int) -> list[list[tuple[int, int]]]:
+    def projected(self, epoch: int, start: int, end: int) -> list[list[tuple[int, int]]]:
         """Each stream's ranges of its order that slots ``[start, end)`` of epoch
         ``epoch`` read (:meth:`MixOrder.project`), worked out once for all the streams'
         read plans (each asks for the same segments of the node's readers)."""
@@ -275,7 +207,7 @@ class MixedDataset(StreamingDataset):
             got = seen[(start, end)] = self._mix(epoch).project([(start, end)])
         return got
 
-    def _order(self) -> _Epoch:  # type: ignore[override]
+    def _order(self) -> _Epoch:
         order = self.__dict__.get("_order_cache")
         if order is None or order.epoch != self._progress.epoch:
             order = _Epoch(self._mix(self._progress.epoch), self._progress.epoch)
@@ -328,7 +260,7 @@ class MixedDataset(StreamingDataset):
             )
         if self.unit == 1:
             self._batch_size = value
-        if "_shared" in self.__dict__:
+        if "shared_epoch" in self.__dict__:
             self._publish()
 
     def __len__(self) -> int:
@@ -351,7 +283,7 @@ class MixedDataset(StreamingDataset):
                 return f"stream {i} of the mix has a per-item transform"
         if self.mode == "per_stream":  # every batch is one stream's: forms may differ
             return None
-        token = [st._blocks for st in self.streams]
+        token = [st.unit_reader.blocks for st in self.streams]
         forms = {None if t is None else (t.dtype.str, t.block_size) for t in token}
         if len(forms) > 1:
             each = ", ".join(
@@ -394,8 +326,9 @@ class MixedDataset(StreamingDataset):
                 order = self._stream_order(s, epoch)
                 k = np.concatenate([order.keys(int(r[0]), int(r[-1]) + 1) for r in runs])
                 keys[rows] = k
-                if st._blocks is not None:
-                    chunks[rows], offsets[rows] = st._blocks.place(k)
+                blocks = st.unit_reader.blocks
+                if blocks is not None:
+                    chunks[rows], offsets[rows] = blocks.place(k)
             win = self.__dict__["_window"] = (epoch, lo, end, streams, keys, chunks, offsets)
         a, b = (lo - win[1]) * u, (hi - win[1]) * u
         return tuple(w[a:b] for w in win[3:])
@@ -459,7 +392,7 @@ class MixedDataset(StreamingDataset):
         size and dtype (None: otherwise)."""
         got = self.__dict__.get("_blocks_form_cache")
         if got is None:
-            token = [st._blocks for st in self.streams]
+            token = [st.unit_reader.blocks for st in self.streams]
             forms = {None if t is None else (t.dtype.str, t.block_size) for t in token}
             one = forms.pop() if len(forms) == 1 else None
             got = self.__dict__["_blocks_form_cache"] = (_block_form(*one) if one else None,)
@@ -479,12 +412,12 @@ class MixedDataset(StreamingDataset):
         in one pass over the rows (:func:`copy_blocks`)."""
         n = len(streams)
         form, buf, slot, body = self._tagged_buffer(inner, streams, pool)
-        tb = self.streams[0]._blocks
+        tb = self.streams[0].unit_reader.blocks
         assert tb is not None
         rows = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
         for st in self.streams:  # every stream's prefetch starts now, not at its first wait
             st.source.send_hint()
-        sources = [(st._blocks, st._reader) for st in self.streams]
+        sources = [(st.unit_reader.blocks, st.reader) for st in self.streams]
         copy_blocks(
             rows.reshape(n, tb.block_size),
             sources,  # type: ignore[arg-type]
@@ -507,23 +440,21 @@ class MixedDataset(StreamingDataset):
             if not len(rows):
                 continue
             k = unit_keys[rows]
-            tb = st._blocks
+            ur = st.unit_reader
+            tb = ur.blocks
             if tb is not None:
                 f = _block_form(tb.dtype.str, tb.block_size)
                 if form is not None and f != form:
                     return None
                 form = f
-                blocks.append((tb, st._reader, k, rows))
+                blocks.append((tb, st.reader, k, rows))
                 continue
-            chunks, positions = st.index.locate_many(k)
-            st._reader.expect(chunks, positions)  # the first batch: items by range
-            early = getattr(st._reader, "_early", None)
-            if early and any(c in early for c in dict.fromkeys(chunks.tolist())):
+            chunks, positions, by_range = ur.located(k)
+            if by_range:
                 return None  # items read by range
             for c in dict.fromkeys(chunks.tolist()):
                 sel = np.flatnonzero(chunks == c)
-                st.__dict__.setdefault("_forms", collections.OrderedDict())
-                cf = st._chunk_forms(c)
+                cf = ur.chunk_forms(c)
                 pos = positions[sel]
                 got = cf.form_of(pos)
                 if got is None or (form is not None and got != form):
@@ -536,7 +467,7 @@ class MixedDataset(StreamingDataset):
 
     def _mix_collated(self, streams: np.ndarray, unit_keys: np.ndarray, row: int) -> Any:
         """The per-item path: what a DataLoader worker collating these samples returns."""
-        batches.count(self._busy, row, "collated")
+        batches.count(self.batch_marks, row, "collated")
         per = [_stream_items(st, unit_keys[streams == s]) for s, st in enumerate(self.streams)]
         items = []
         for s in streams.tolist():
@@ -544,8 +475,47 @@ class MixedDataset(StreamingDataset):
             items.append((s, item) if self.tag else item)
         return default_collate(items)
 
-    def _hint(self, *args: Any) -> None:
-        """Each stream's source follows the node's plan for it."""
+    # -- the streams' reading ------------------------------------------------------------
+    def _forget_forms(self) -> None:
+        for st in self.streams:
+            st.unit_reader.forget_forms()
+
+    def _close_reading(self) -> None:
+        for st in self.streams:
+            st.unit_reader.close()
+
+    def _source_stats(self) -> list[float] | None:
+        if not self.remote:
+            return None
+        out = [0.0] * len(STAT_FIELDS)
+        for st in self.streams:
+            stats = st.source.stats
+            for i, f in enumerate(STAT_FIELDS):
+                out[i] += float(getattr(stats, f))
+        return out
+
+    def _settle(self) -> None:
+        """At the end of a DataLoader worker's iteration: wait (bounded) for the publishes
+        of the chunks its streams read (see :meth:`StreamingDataset._settle`)."""
+        if get_worker_info() is None or not self.remote:
+            return
+        done = [st.source.wait_published() for st in self.streams if st.source.remote]
+        if not all(done):
+            log.warning(
+                "%s: chunk publishes still running %gs after this DataLoader worker's "
+                "iteration ended (ASYNCCACHE_TIMEOUT_S); if the worker is ended before they "
+                "finish, those chunks are not cached and will be downloaded again",
+                self.url,
+                self.settings.timeout_s,
+            )
+
+    def cache_usage(self) -> tuple[int, int]:
+        """Bytes the local cache directory holds now, and its budget (the first remote
+        stream's cache; the streams share one)."""
+        for st in self.streams:
+            if st.source.remote:
+                return st.cache_usage()
+        return self.streams[0].cache_usage()
 
     # -- the first batches, built in the main process (docs/streaming.md) --------------
     def _lead_fetches_nothing(self, runs: list[np.ndarray]) -> bool:
@@ -554,74 +524,42 @@ class MixedDataset(StreamingDataset):
         streams, keys = self._locate(np.concatenate(runs))[:2]
         for s, st in enumerate(self.streams):
             k = keys[streams == s]
-            if len(k) and not st._all_landed(k):
+            if len(k) and not st.unit_reader.all_landed(k):
                 return False
         return True
 
-    def _far_link(self) -> bool:
-        return False  # (its first batches come from cached chunks: nothing to wait on)
-
-    def _lead_expect(self, runs: list[np.ndarray]) -> None:
-        """Nothing to read ahead: the batches come from cached chunks."""
-
-    def _lead_reads_by_range(self, keys: np.ndarray) -> bool:
-        return False  # (built here from cached chunks only)
-
-    def _lead_batch(self, keys: np.ndarray) -> Any:
-        for st in self.streams:  # (forms learned anew, as StreamingDataset._lead_batch does)
-            st.__dict__.pop("_forms", None)
-        try:
-            return super()._lead_batch(keys)
-        finally:
-            if "_lead_open" not in self.__dict__:  # the last lead batch (or a failed one)
-                self._reader.close()  # no stream keeps a chunk mapped or pinned here
+    def _release_lead(self, chunks: list[int]) -> None:
+        self._close_reading()  # no stream keeps a chunk mapped or pinned here
 
     def _skip_range_reads(self) -> None:
         for st in self.streams:
-            st._skip_range_reads()
+            st.unit_reader.skip_range_reads()
 
-    def _plan_epoch(self, pr: _Progress, world: distributed.World, logical: int) -> None:
-        if not self.source.remote:
+    def _plan_epoch(self, pr: Progress, world: distributed.World, logical: int) -> None:
+        if not self.remote:
             return
         mix = self._mix(pr.epoch)
         skipped = np.zeros(len(self.streams), dtype=np.int64)
         # Positions of its part this reader skips: its own resume, and the batches the
-        # main process built before the workers started (see StreamingDataset.__iter__).
-        left = self._skip + self.__dict__.get("_ahead", 0)
+        # main process built before the workers started (see EpochDataset.__iter__).
+        left = self._skip + self._ahead
         if left:
             p = self._plan(world)[1]
             got = received_per_worker(p.rank_samples, pr.num_workers, pr.batch_size, pr.received)
-            segs = _drop(p.workers[logical], got[logical])
-            for seg in segs:
+            for seg in drop(p.workers[logical], got[logical]):
                 take = min(left, len(seg))
                 for s, ranges in enumerate(mix.project([(seg.start, seg.start + take)])):
                     skipped[s] += sum(b - a for a, b in ranges)
                 left -= take
                 if not left:
                     break
+        place = reader_place(pr, self.epoch_total, world, logical, self.drop_last)
         for s, st in enumerate(self.streams):
             if not st.source.remote:
                 continue
             view: View = _MixView(self, s)
-            st.source.plan_epoch(
-                epoch=pr.epoch,
-                seed=st.seed,
-                shuffle=st.shuffle,
-                window=st.shuffle_window,
-                remaining=pr.base(self.epoch_total),
-                received=pr.received,
-                world=world.world_size,
-                rank=world.rank,
-                num_workers=pr.num_workers,
-                worker=logical,
-                batch_size=pr.batch_size,
-                drop_last=self.drop_last,
-                skipped=int(skipped[s]),
-                subsample=st.subsample,
-                epoch_size=mix.counts[s],
-                units=st.units,
-                view=view,
-            )
+            spec = st.epoch_spec(place, epoch_size=mix.counts[s], view=view)
+            st.source.plan_epoch(spec, skipped=int(skipped[s]))
         self._check_budget()
 
     def _check_budget(self) -> None:
@@ -629,26 +567,27 @@ class MixedDataset(StreamingDataset):
         once (each stream's own minimum was checked by its source)."""
         remote = [st for st in self.streams if st.source.remote]
         mins = [st.source.plan_min_bytes for st in remote]
-        stores = [st.source.store for st in remote]
-        budgets = [s.max_cache_bytes for s in stores if s is not None]
-        if not budgets or sum(mins) <= min(budgets):
+        stores = [store for store in (st.source.store for st in remote) if store is not None]
+        if not stores or all(store.fits(sum(mins)) for store in stores):
             return
+        budget = min(store.budget() for store in stores)
         mib = 1 << 20
         each = ", ".join(f"{st.source.url}: {m}" for st, m in zip(remote, mins, strict=True))
         raise ConfigError(
-            f"{self._name}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes = "
-            f"{min(budgets)} bytes, {min(budgets) / mib:.1f} MiB) is below the sum of the "
-            f"mixed streams' minimums, {sum(mins)} bytes ({each}): the streams share the "
-            "budget, and below it chunks would be downloaded twice an epoch. Raise it to at "
-            f"least {sum(mins)}, or read with fewer workers or a smaller shuffle_window"
+            f"{self._name}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes, "
+            f"or less where the file system holds less: {budget} bytes, "
+            f"{budget / mib:.1f} MiB) is below the sum of the mixed streams' minimums, "
+            f"{sum(mins)} bytes ({each}): the streams share the budget, and below it chunks "
+            f"would be downloaded twice an epoch. Raise it to at least {sum(mins)}, or read "
+            "with fewer workers or a smaller shuffle_window"
         )
 
     # -- resume ------------------------------------------------------------------------
     @property
     def _name(self) -> str:
-        return self.source.url
+        return self.url
 
-    def _identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         return {
             "mix": self.mode,
             "seed": self.seed,
@@ -656,7 +595,7 @@ class MixedDataset(StreamingDataset):
             "epoch_size": self.epoch_size,
             "drop_last": self.drop_last,
             "streams": [
-                {**st._identity(), **dataclasses.asdict(sh)}
+                {**st.identity(), **dataclasses.asdict(sh)}
                 for st, sh in zip(self.streams, self.shares, strict=True)
             ],
         }
@@ -669,7 +608,8 @@ class MixedDataset(StreamingDataset):
     ) -> dict[str, Any]:
         """As :meth:`StreamingDataset.state_dict`; ``received`` counts samples."""
         if received is None and get_worker_info() is None:
-            if int(self._counters()[0]) != self._expect:
+            self._own()
+            if self.shared_epoch.iterated_elsewhere():
                 return super().state_dict()  # raises: workers iterated it
             received, num_workers, batch_size = self._yielded, 1, self.unit
         if received is not None:
@@ -692,7 +632,7 @@ class MixedDataset(StreamingDataset):
                 ``epoch_size``, seed or shuffle (the message names it).
         """
         if isinstance(state, dict) and isinstance(state.get("streams"), list):
-            mine = self._identity()["streams"]
+            mine = self.identity()["streams"]
             theirs = state["streams"]
             if len(theirs) != len(mine):
                 raise ResumeStateError(
@@ -700,6 +640,8 @@ class MixedDataset(StreamingDataset):
                     f"this one has {len(mine)}"
                 )
             for i, (a, b) in enumerate(zip(theirs, mine, strict=True)):
+                if not isinstance(a, dict):
+                    raise ResumeStateError(f"{self._name}: stream {i} of the state is not a dict")
                 for key in sorted(set(a) | set(b)):
                     if a.get(key) != b.get(key):
                         raise ResumeStateError(
@@ -715,10 +657,8 @@ class MixedDataset(StreamingDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_mix_cache", None)
-        state.pop("_stream_orders", None)
-        state.pop("_window", None)
-        state.pop("_project_memo", None)
+        for key in ("_mix_cache", "_stream_orders", "_window", "_project_memo"):
+            state.pop(key, None)
         return state
 
     def __repr__(self) -> str:
@@ -754,11 +694,5 @@ def _shifted(tree: tuple[Any, ...], by: int) -> tuple[Any, ...]:
 
 def _stream_items(st: StreamingDataset, keys: np.ndarray) -> Iterator[Any]:
     """The samples of ``keys`` of stream ``st``, transformed as the stream says."""
-    read = getattr(st, "_read_units", None)
-    if read is not None:
-        items = read(keys)[1]
-    else:  # items of an index
-        chunks, pos = st.index.locate_many(keys)
-        items = (st._reader.read(c, p) for c, p in zip(chunks.tolist(), pos.tolist(), strict=True))
-    for item in items:
+    for item in st.unit_reader.read_units(keys)[1]:
         yield st.transform(item) if st.transform else item

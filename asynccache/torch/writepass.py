@@ -87,7 +87,7 @@ class MapWritePass(IterableDataset[Any]):
         world = distributed.current(self.num_workers)
         w, nw = world.worker, world.num_workers
         cache = self.cache
-        cache._begin_write(self.rank * nw + w, self.token)
+        cache.begin_write(self.rank * nw + w, self.token)
         try:
             for b in range(w, len(self.batches), nw):
                 yield self.collate_fn([self._item(k, first) for k, first in self.batches[b]])
@@ -95,17 +95,14 @@ class MapWritePass(IterableDataset[Any]):
                 for k, first in self.leftover:
                     self._item(k, first)
         except GeneratorExit:
-            cache._writer = None  # an abandoned pass publishes no index
+            cache.abandon_write()  # an abandoned pass publishes no index
             raise
-        cache._finish_write()
+        cache.finish_write()
 
     def _item(self, key: int, first: bool) -> Any:
         if self.owned:  # the dataset writes itself in __getitem__
-            self.cache._accept = first
-            try:
+            with self.cache.accepting(first):
                 return self.dataset[key]
-            finally:
-                self.cache._accept = True
         item = self.dataset[key]
         if first:
             self.cache[key] = item
@@ -127,15 +124,15 @@ class IterableWritePass(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         world = distributed.current(self.num_workers)
         cache = self.cache
-        cache._begin_write(self.rank * world.num_workers + world.worker, self.token)
+        cache.begin_write(self.rank * world.num_workers + world.worker, self.token)
         try:
             for key, item in enumerate(self.dataset):
                 cache[key] = item
                 yield item
         except GeneratorExit:
-            cache._writer = None
+            cache.abandon_write()
             raise
-        cache._finish_write()
+        cache.finish_write()
 
 
 def wait_for_index(directory: str, token: str, stall_s: float = MERGE_STALL_S) -> None:

@@ -13,7 +13,8 @@ from asynccache.cache.board import Board
 from asynccache.cache.plan import Deferred, EpochPlan, PlanPolicy, Stream
 from asynccache.cache.store import ChunkStore
 from asynccache.config import Settings
-from asynccache.read.readplan import EpochSpec, PlanCache, ReadPlan
+from asynccache.read.readplan import EpochSpec, PlanCache, ReaderPlace, ReadPlan
+from asynccache.sampling.order import OrderSpec
 from asynccache.sampling.partition import Segment
 from asynccache.sampling.runs import reader_runs, reader_segments
 from asynccache.write.writer import ChunkWriter, merge_dir
@@ -170,18 +171,18 @@ def small_plan(tmp_path, batch_size: int, skipped: int = 0) -> ReadPlan:
     index = merge_dir(src, [0])
     assert index.num_chunks == 10
     spec = EpochSpec(
-        epoch=0,
-        seed=0,
-        shuffle=False,
-        window=1,
-        remaining=[(0, 40)],
-        received=0,
-        world=1,
-        rank=0,
-        num_workers=1,
-        worker=0,
-        batch_size=batch_size,
-        drop_last=False,
+        ReaderPlace(
+            epoch=0,
+            remaining=((0, 40),),
+            received=0,
+            world=1,
+            rank=0,
+            num_workers=1,
+            worker=0,
+            batch_size=batch_size,
+            drop_last=False,
+        ),
+        OrderSpec(0, False, 1),
     )
     root = tmp_path / "cache"
     os.makedirs(root / ".locks")

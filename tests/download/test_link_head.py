@@ -21,7 +21,7 @@ import torch
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset
 from asynccache.testing.faults import Fault, FaultProxy
-from asynccache.torch import streaming
+from asynccache.torch import lead
 from asynccache.write.upload import upload
 from asynccache.write.writer import ChunkWriter, merge_dir
 
@@ -78,8 +78,8 @@ def _whole_gets(requests, index) -> collections.Counter[str]:
 def slow_enough(monkeypatch):
     """Any link counts as slow enough for the head start (this dataset's chunks take
     well under the second the default asks for)."""
-    monkeypatch.setattr(streaming, "_HEAD_MIN_S", 0.0)
-    monkeypatch.setattr(streaming, "_HEAD_MIN_TTFB_S", 0.0)
+    monkeypatch.setattr(lead, "_HEAD_MIN_S", 0.0)
+    monkeypatch.setattr(lead, "_HEAD_MIN_TTFB_S", 0.0)
 
 
 def test_main_process_fetches_the_workers_first_chunks_each_chunk_once(
@@ -91,7 +91,7 @@ def test_main_process_fetches_the_workers_first_chunks_each_chunk_once(
         keys = torch.cat([b["i"] for b in dl]).tolist()
         assert sorted(keys) == list(range(ITEMS))
         assert proxy.link_fired("latency") > 0 and proxy.link_fired("cap") > 0
-        table = ds._stat_table()
+        table = ds.shared_epoch.stat_table()
         fetched = table[:, 1]  # chunks_fetched, per process row
         # Worker 0 reads chunks 0-3, worker 1 chunks 4-7; the main process built each
         # one's first batch by range and started chunks 0 and 4 before the workers ran.
@@ -118,7 +118,7 @@ def test_main_process_fetches_the_workers_first_chunks_each_chunk_once(
         keys = torch.cat([b["i"] for b in dl]).tolist()  # the second epoch: all cached
         assert sorted(keys) == list(range(ITEMS))
         assert not [r for r in proxy.requests[before:] if "chunk-" in r.path]
-        assert ds._stat_table()[:, 1].sum() == index.num_chunks
+        assert ds.shared_epoch.stat_table()[:, 1].sum() == index.num_chunks
 
 
 def test_under_a_budget_the_main_process_starts_nothing(remote, objstore, tmp_path):
@@ -131,7 +131,7 @@ def test_under_a_budget_the_main_process_starts_nothing(remote, objstore, tmp_pa
         keys = torch.cat([b["i"] for b in dl]).tolist()
         assert sorted(keys) == list(range(ITEMS))
         assert proxy.link_fired("latency") > 0
-        table = ds._stat_table()
+        table = ds.shared_epoch.stat_table()
         assert table[MAIN_ROW, 1] == 0  # its reservations would not follow the plan
         assert table[:, 1].sum() == index.num_chunks
         assert table[:, 0].sum() == total
@@ -141,14 +141,14 @@ def test_on_a_fast_link_the_workers_fetch_their_own(remote, objstore, tmp_path, 
     """A link judged fast (the thresholds raised, so a loaded machine's slow loopback
     counts as fast too): the main process cancels the head chunks once its first batches
     are built, and the workers fetch them, each once."""
-    monkeypatch.setattr(streaming, "_HEAD_MIN_S", 1e9)
-    monkeypatch.setattr(streaming, "_HEAD_MIN_TTFB_S", 1e9)
+    monkeypatch.setattr(lead, "_HEAD_MIN_S", 1e9)
+    monkeypatch.setattr(lead, "_HEAD_MIN_TTFB_S", 1e9)
     _, index = remote
     with FaultProxy(objstore.endpoint_url) as proxy:
         dl, ds = _loader(remote, proxy, objstore, tmp_path / "cache")
         keys = torch.cat([b["i"] for b in dl]).tolist()
         assert sorted(keys) == list(range(ITEMS))
-        table = ds._stat_table()
+        table = ds.shared_epoch.stat_table()
         assert table[MAIN_ROW, 1] == 0
         assert table[:, 1].sum() == index.num_chunks
         assert _whole_gets(proxy.requests, index) == {c.filename: 1 for c in index.chunks}

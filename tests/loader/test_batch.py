@@ -180,7 +180,7 @@ def test_buffers_are_never_reused_while_held(fixed):
             assert np.array_equal(h, r["t"].numpy())
     stats = ds.batch_stats()
     # (+lead: the first batches, built in the main process in buffers of their own)
-    lead = ds._lead_batches
+    lead = ds.lead_stats.batches
     assert lead == 2
     assert stats["pooled_buffers"] == 2 * batches.POOL_SLOTS + lead
     assert stats["unpooled_buffers"] == len(held) - lead - 2 * batches.POOL_SLOTS
@@ -199,7 +199,7 @@ def test_dropped_batches_reuse_a_few_shared_buffers(fixed):
     stats = ds.batch_stats()
     assert n == -(-N // 2) > 2 * batches.POOL_SLOTS >= stats["pooled_buffers"] >= len(seen)
     # (-2: the first batches' buffers, in the main process, where they were built: not sent)
-    assert ds._lead_batches == 2
+    assert ds.lead_stats.batches == 2
     assert stats["sent_buffers"] == stats["pooled_buffers"] - 2
     assert stats["unpooled_buffers"] == 0
     # In the main process (no workers): two buffers (the loop variable holds the previous

@@ -94,5 +94,5 @@ def test_two_loaders_over_one_dataset_at_once(fixed):
         want = batch["y"].to(torch.float32)[:, None, None] + 0.25
         assert torch.equal(batch["x"], want.expand(-1, 4, 3))
         assert torch.equal(batch["t"], torch.arange(5, dtype=torch.int16) * batch["y"][:, None])
-    rows = owners(ds._busy)
+    rows = owners(ds.batch_marks)
     assert len({int(p) for p in rows[: batches.MAIN_ROW] if p}) == 4

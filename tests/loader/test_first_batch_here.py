@@ -92,10 +92,9 @@ def test_cold_first_batch_by_range_is_the_plain_runs(remote, written, objstore, 
             runs[here] = ([{k: v.clone() for k, v in b.items()} for b in dl], ds)
         assert proxy.fired("slow") >= 1
     (got, ds), (ref, plain) = runs[True], runs[False]
-    assert ds._led == 1 and plain._led == 0
-    # The main process read the first batch's items by range, and compared them with
-    # their chunks once the epoch was over.
-    assert ds.source.stats.range_gets > 0 and ds._reader.unchecked_ranges == 0
+    assert ds.lead_stats.epochs == 1 and plain.lead_stats.epochs == 0
+    # The main process read the first batch's items by range (each verified on arrival).
+    assert ds.source.stats.range_gets > 0
     assert len(got) == len(ref) == N // BS
     for a, b in zip(got, ref, strict=True):
         same(a, b)
@@ -109,7 +108,7 @@ def test_cold_first_batch_by_range_is_the_plain_runs(remote, written, objstore, 
     opts = objstore.storage_options
     warm = _ds(remote, True, shuffle, cache_dir=tmp_path / "cTrue", storage_options=opts)
     again = list(CacheDataLoader(warm, batch_size=BS, num_workers=2))
-    assert warm._led == 1 and warm.source.stats.range_gets == 0
+    assert warm.lead_stats.epochs == 1 and warm.source.stats.range_gets == 0
     assert warm.source.stats.chunks_fetched == 0
     for a, b in zip(again, ref, strict=True):
         same(a, b)
@@ -124,13 +123,14 @@ def test_a_damaged_range_of_the_first_batch_is_caught(remote, written, objstore,
         proxy.add_fault(Fault("flip", path=name, range=f"bytes={first}-", flip_at=ITEM // 2))
         options = dict(objstore.storage_options, endpoint_url=proxy.url)
         ds = _ds(remote, True, cache_dir=tmp_path / "c", storage_options=options)
-        it = iter(CacheDataLoader(ds, batch_size=BS, num_workers=2))
-        damaged = next(it)
-        assert proxy.fired("flip") == 1 and ds._led == 1
-        assert not np.array_equal(damaged["x"][0].numpy(), _item(0)["x"])  # before the check
-        with pytest.raises(ChecksumMismatchError, match="read by range before the chunk landed"):
-            list(it)  # compared once the epoch is over and a worker's reads landed the chunk
+        got = [{k: v.clone() for k, v in b.items()} for b in CacheDataLoader(ds, BS, num_workers=2)]
+        assert proxy.fired("flip") == 1 and ds.lead_stats.epochs == 1
+        assert ds.source.stats.retries >= 1
         ds.close()
+    assert sorted(i for b in got for i in b["i"].tolist()) == list(range(N))
+    for b in got:
+        for k, row in zip(b["i"].tolist(), b["x"], strict=True):
+            assert np.array_equal(row.numpy(), _item(k)["x"]), k
 
 
 # -- resume: the same states and batches as the plain run, stopped anywhere ---------------
@@ -156,7 +156,7 @@ def _run(path: Path, cfg: dict[str, Any], here: bool, stop: int) -> tuple[list[i
     while again.epoch < EPOCHS:
         got += [k for b in again for k in _keys(b)]
     assert dl.batch_fallback is None
-    return got, state, ds._led + again_ds._led
+    return got, state, ds.lead_stats.epochs + again_ds.lead_stats.epochs
 
 
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
@@ -189,7 +189,7 @@ def test_persistent_workers_keep_the_order(fixed):
     for here in (True, False):
         ds = _ds(fixed, here, True)
         dl = CacheDataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
-        got[here] = ([k for _ in range(EPOCHS) for b in dl for k in _keys(b)], ds._led)
+        got[here] = ([k for _ in range(EPOCHS) for b in dl for k in _keys(b)], ds.lead_stats.epochs)
         del dl
     assert got[True][0] == got[False][0]
     assert sorted(got[True][0]) == sorted(list(range(23)) * EPOCHS)
@@ -202,7 +202,7 @@ def test_workers_started_after_a_led_epoch_read_whole_epochs(fixed):
     the next epoch whole."""
     ds = _ds(fixed, True, True)
     assert sorted(k for b in CacheDataLoader(ds, batch_size=4, num_workers=2) for k in _keys(b))
-    assert ds._led == 1 and ds._head == 0
+    assert ds.lead_stats.epochs == 1 and ds._head == 0
     plain = DataLoader(ds, batch_size=None, num_workers=2)  # whole batches, as published
     assert sorted(k for b in plain for k in _keys(b)) == list(range(23))
 
@@ -241,7 +241,7 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
     dl = CacheDataLoader(ds, batch_size=BS, num_workers=2, multiprocessing_context=_HeldFork())
     it = iter(dl)
     got = [next(it), next(it)]  # the two built here (cold: by range)
-    assert ds._led == 1 and ds.source.stats.range_gets > 0
+    assert ds.lead_stats.epochs == 1 and ds.source.stats.range_gets > 0
     with pytest.raises(
         WorkerStartError, match=r"2 worker processes \(fork\) did not start within 0.5 s"
     ):

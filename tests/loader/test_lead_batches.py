@@ -72,7 +72,7 @@ def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(remote, 
             for b in CacheDataLoader(ds, batch_size=BS, num_workers=workers)
         ]
         heads = [r.path for r in proxy.requests if r.method == "GET" and r.range == header]
-    assert ds._led == 1 and ds._lead_batches == 2  # the first two batches, built here
+    assert ds.lead_stats.epochs == 1 and ds.lead_stats.batches == 2  # the first two batches, built here
     assert sorted(i for b in got for i in b["i"].tolist()) == list(range(N))
     for b in got[:2]:
         for k, row in zip(b["i"].tolist(), b["x"], strict=True):
@@ -83,7 +83,7 @@ def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(remote, 
     # asking for its chunk's header a second time). (The third worker reads its own first
     # batch by range, unless its chunk landed first: not asserted.)
     led = {ds.index.filename(i // PER_CHUNK) for b in got[:2] for i in b["i"].tolist()}
-    assert ds.source.stats.range_gets > 0 and ds._reader.unchecked_ranges == 0
+    assert ds.source.stats.range_gets > 0
     per_chunk = collections.Counter(heads)
     assert max(per_chunk.values()) == 1, per_chunk
     assert {name for name in led if any(p.endswith(name) for p in per_chunk)} == led
@@ -120,7 +120,7 @@ def test_a_shuffled_first_batch_drawing_from_a_small_chunk_is_built_here(
         it = iter(CacheDataLoader(ds, batch_size=BS, num_workers=2))
         batch = next(it)
         del it
-        built_here = ds._led
+        built_here = ds.lead_stats.epochs
         ds.close()
         first = batch["i"].tolist()
         drew_small += any(i >= N for i in first)
@@ -155,8 +155,8 @@ def test_a_mix_s_first_batches_built_here_are_the_plain_runs(streams):
         runs[here] = (pairs(first), pairs(rest), state, ds, again_ds, dl.batch_fallback)
     (f, r, state, ds, again_ds, fallback), (pf, pr, pstate, plain, _, _) = runs[True], runs[False]
     assert fallback is None  # whole batches from the workers
-    assert ds._led == 1 and again_ds._led == 1 and plain._led == 0
-    assert ds._lead_batches >= 1 and again_ds._lead_batches == 2
+    assert ds.lead_stats.epochs == 1 and again_ds.lead_stats.epochs == 1 and plain.lead_stats.epochs == 0
+    assert ds.lead_stats.batches >= 1 and again_ds.lead_stats.batches == 2
     assert f == pf and state == pstate and r == pr
     assert len(f) + len(r) == sum(ds.stream_counts)
 
@@ -169,9 +169,9 @@ def _start_order(ds: StreamingDataset, monkeypatch: pytest.MonkeyPatch) -> list[
     """
     from torch.utils.data import DataLoader
 
-    from asynccache.torch import dataloader
+    from asynccache.torch import workers
 
-    monkeypatch.setattr(dataloader, "_START_AFTER_S", 60.0)
+    monkeypatch.setattr(workers, "_START_AFTER_S", 60.0)
     events: list[str] = []
     build, start = StreamingDataset._lead_batch, DataLoader.__iter__
 
@@ -205,7 +205,7 @@ def test_workers_start_beside_the_first_batches_on_a_far_link(
     )
     assert not near._far_link()
     assert _start_order(near, monkeypatch) == ["built", "built", "workers"]
-    assert near._lead_batches == 2
+    assert near.lead_stats.batches == 2
     near.close()
     # Far (200 ms to every first byte, measured already on the index's column sidecar):
     # the batches wait on the network, and the workers start beside them at once.
@@ -216,6 +216,6 @@ def test_workers_start_beside_the_first_batches_on_a_far_link(
         )
         assert far._far_link()
         assert _start_order(far, monkeypatch) == ["workers", "built", "built"]
-        assert far._lead_batches == 2
+        assert far.lead_stats.batches == 2
         assert proxy.link_fired("latency") > 0
         far.close()

@@ -48,13 +48,13 @@ def test_lead_batches_map_each_chunk_once_and_release_them_before_the_workers_st
     first = next(it)
     # Both lead batches are built before the first is handed over, the workers forked
     # after: by now the main process holds no chunk open.
-    assert not ds._reader._open
-    assert "_lead_open" not in ds.__dict__ and "_forms" not in ds.__dict__
+    assert not ds.reader._open
+    assert ds._lead_open is None and not ds.unit_reader._forms
     lead = dict(maps)
     second = next(it)
     rest = list(it)
     assert len(rest) + 2 == N // BS
-    assert ds._lead_batches == 2
+    assert ds.lead_stats.batches == 2
     # The two lead batches share a chunk (else this test shows nothing).
     chunks = [{int(i) // PER_CHUNK for i in b["i"]} for b in (first, second)]
     assert chunks[0] & chunks[1], chunks
@@ -86,8 +86,8 @@ def test_a_mix_s_lead_batches_map_each_chunk_once(
     maps.clear()
     it = iter(loader)
     first = next(it)
-    assert ds._lead_batches == 4  # two in each of the two epochs
-    assert all(not s._reader._open for s in ds.streams)
+    assert ds.lead_stats.batches == 4  # two in each of the two epochs
+    assert all(not s.reader._open for s in ds.streams)
     lead = dict(maps)
     second = next(it)
     assert len(list(it)) + 2 == -(-sum(ds.stream_counts) // 8)

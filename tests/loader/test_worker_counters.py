@@ -26,11 +26,11 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_worker_counts_on_the_row_it_holds(fixed):
     ds = StreamingDataset(fixed)
-    rows = batches.table(ds._busy)
+    rows = batches.table(ds.batch_marks)
     rows[0, batches._OWNER] = os.getpid()  # worker 0's row: held by a live process (this)
     got = list(CacheDataLoader(ds, batch_size=2, num_workers=1))
     assembled = rows[:, batches._COUNT + batches.COUNTERS.index("assembled")]
-    lead = ds._lead_batches  # built here, counted on the main process's row
+    lead = ds.lead_stats.batches  # built here, counted on the main process's row
     assert len(got) == 6 and lead == 1
     assert int(rows[1, batches._OWNER]) not in (0, os.getpid())  # the worker took row 1
     assert int(assembled[0]) == 0  # nothing on the row another process holds

@@ -71,7 +71,7 @@ def test_workers_end_with_an_epoch_that_raised_while_the_error_is_kept(fixed, ho
             got += 1
     assert f"item {BAD}" in str(err.value)
     assert got >= (0 if how == "one batch" else 2)
-    assert ds._led == (1 if how == "lead" else 0)
+    assert ds.lead_stats.epochs == (1 if how == "lead" else 0)
     # The error is kept (its traceback holds the DataLoader's iterator), yet no worker of
     # the epoch is left: they were told to stop when the error passed through.
     deadline = time.monotonic() + 30

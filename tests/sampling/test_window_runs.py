@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache.format.index import ChunkEntry, Index
-from asynccache.read.readplan import EpochSpec, PlanCache
+from asynccache.read.readplan import EpochSpec, PlanCache, ReaderPlace
 from asynccache.sampling.order import OrderSpec, ReadOrder
 from asynccache.sampling.runs import reader_runs, reader_segments, window_runs
 
@@ -110,18 +110,18 @@ def test_the_node_plan_takes_the_window_path_past_its_threshold():
     index = Index(chunks)
     for shuffle in (False, True):
         spec = EpochSpec(
-            epoch=0,
-            seed=5,
-            shuffle=shuffle,
-            window=2,
-            remaining=[(0, sum(sizes))],
-            received=0,
-            world=2,
-            rank=0,
-            num_workers=2,
-            worker=0,
-            batch_size=4,
-            drop_last=False,
+            ReaderPlace(
+                epoch=0,
+                remaining=((0, sum(sizes)),),
+                received=0,
+                world=2,
+                rank=0,
+                num_workers=2,
+                worker=0,
+                batch_size=4,
+                drop_last=False,
+            ),
+            OrderSpec(5, shuffle, 2),
         )
         by_keys, by_windows = PlanCache(index, spec), PlanCache(index, spec)
         by_windows.exact_up_to = -1

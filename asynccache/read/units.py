@@ -1,0 +1,131 @@
+"""Reading the units of one dataset (items, or token blocks) for an epoch's reader.
+
+:class:`UnitReader` is what a dataset's epoch loop (and each stream of a mix) asks of the
+data: where units lie (their chunks), the units themselves one by one, whether their
+chunks are in the cache, and the forms of mapped chunks that batch assembly copies from
+(:mod:`.batchread`). It holds no position: the order and split are the caller's.
+
+Invariant: a chunk's forms are kept only while the reader keeps that chunk mapped (at
+most ``max_forms`` chunks, least recently used first out), and a form found for a
+mapping is never used with another mapping of the same chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..format import Index
+from .batchread import ChunkForms
+from .reader import Reader
+from .source import DatasetSource
+from .token_blocks import TokenUnits
+
+__all__ = ["UnitReader"]
+
+
+class UnitReader:
+    """Units of one dataset: items of its index, or blocks of ``blocks``."""
+
+    def __init__(
+        self,
+        index: Index,
+        reader: Reader,
+        source: DatasetSource,
+        blocks: TokenUnits | None,
+        max_forms: int,
+    ) -> None:
+        self.index, self.reader, self.source, self.blocks = index, reader, source, blocks
+        self.max_forms = max_forms
+        self._forms: collections.OrderedDict[int, ChunkForms] = collections.OrderedDict()
+
+    # -- where units lie -----------------------------------------------------------
+    def chunks_of(self, keys: np.ndarray) -> np.ndarray:
+        """The chunk each unit of ``keys`` starts in."""
+        if self.blocks is not None:
+            return self.blocks.chunks_of(keys)
+        return self.index.locate_many(keys)[0]
+
+    def all_landed(self, keys: np.ndarray) -> bool:
+        """Every chunk units ``keys`` read (a token block's last chunk too) is cached."""
+        if self.blocks is not None:
+            first, last = self.blocks.chunks_of(keys), self.blocks.last_chunks(keys)
+            pairs = zip(first.tolist(), last.tolist(), strict=True)
+            chunks = {c for a, b in pairs for c in range(a, b + 1)}
+        else:
+            chunks = set(self.index.locate_many(keys)[0].tolist())
+        return all(self.source.landed(c) for c in chunks)
+
+    def reads_by_range(self, keys: np.ndarray) -> bool:
+        """Some of units ``keys`` are in chunks not in the cache (read by range)."""
+        return self.source.remote and not self.all_landed(keys)
+
+    # -- units one by one ----------------------------------------------------------
+    def read(self, key: int) -> Any:
+        """Unit ``key`` (random access: its chunk is fetched on demand)."""
+        if self.blocks is not None:
+            if not 0 <= key < len(self.blocks):
+                raise IndexError(f"block {key} is out of range for {len(self.blocks)} blocks")
+            return self.blocks.read(self.reader, key)
+        return self.reader[key]
+
+    def read_units(self, keys: np.ndarray) -> tuple[np.ndarray, Iterator[Any]]:
+        """The chunk each unit of ``keys`` starts in, and the units read one by one (the
+        first batch's items not cached are read by range, in one round)."""
+        if self.blocks is not None:
+            return self.blocks.chunks_of(keys), self.blocks.read_many(self.reader, keys)
+        chunks, positions = self.index.locate_many(keys)
+        self.reader.expect(chunks, positions)
+        pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
+        return chunks, (self.reader.read(ci, pos) for ci, pos in pairs)
+
+    def items(self, keys: np.ndarray) -> list[Any]:
+        """Units ``keys``, as a list."""
+        return list(self.read_units(keys)[1])
+
+    def located(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """For item keys: each item's chunk and position in it, and whether any of them
+        was read by range (a first batch over chunks not cached: no mapped chunk to
+        assemble from). The range reads of the first batch are sent here."""
+        chunks, positions = self.index.locate_many(keys)
+        self.reader.expect(chunks, positions)
+        early = getattr(self.reader, "_early", None)  # items read by range, by chunk
+        if not early:
+            return chunks, positions, False
+        return chunks, positions, any(c in early for c in dict.fromkeys(chunks.tolist()))
+
+    # -- batch assembly ------------------------------------------------------------
+    def chunk_forms(self, chunk: int) -> ChunkForms:
+        """The forms of ``chunk``'s items, for :func:`~.batchread.assemble_into`."""
+        mm, offsets = self.reader.mapped(chunk)
+        cf = self._forms.get(chunk)
+        if cf is None or cf.buf is not mm:
+            cf = self._forms[chunk] = ChunkForms(mm, offsets)
+            while len(self._forms) > self.max_forms:
+                self._forms.popitem(last=False)
+        self._forms.move_to_end(chunk)
+        return cf
+
+    def forget_forms(self) -> None:
+        """Drop the forms learned (they hold their chunks' mappings)."""
+        self._forms.clear()
+
+    # -- lifetime ------------------------------------------------------------------
+    def skip_range_reads(self) -> None:
+        """Read nothing by range this epoch, and send the epoch plan's prefetch hint now
+        (a reader whose first batch the main process built)."""
+        self.reader.set_range_budget(0)
+        self.source.send_hint()
+
+    def close(self) -> None:
+        """Drop the forms and the reader's mappings and pins (reopened if used again)."""
+        self.forget_forms()
+        self.reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_forms"] = collections.OrderedDict()  # a process's own mappings
+        return state
