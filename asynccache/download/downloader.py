@@ -30,7 +30,7 @@ from .gate import PriorityGate, shared_gate
 from .link import endpoint_of, link_for, part_bytes_for, window_bytes
 from .parts import Span, fetch_range, split_parts
 from .progress import ProgressClock
-from .ranges import read_range
+from .ranges import RangeCheck, read_range
 from .retry import RetryPolicy
 from .stats import DownloadStats
 from .writeback import flush as flush_writeback
@@ -183,20 +183,26 @@ class Downloader:
         return self._lt.submit(self.ensure_async(name, size, checksum, early=early))
 
     def read_ranges(
-        self, name: str, ranges: list[tuple[int, int]]
+        self,
+        name: str,
+        ranges: list[tuple[int, int]],
+        checks: list[RangeCheck | None] | None = None,
     ) -> concurrent.futures.Future[list[Any]]:
         """A Future of the bytes ``[start, end)`` of chunk ``name`` for each of ``ranges``,
-        as 64-byte-aligned uint8 arrays in memory: never written to the cache, never
-        verified here (the caller compares them with the chunk once it lands).
+        as 64-byte-aligned uint8 arrays in memory: never written to the cache. The bytes
+        of ``ranges[i]`` are verified by ``checks[i]`` as they arrive (see
+        :func:`.ranges.read_range`); without one, not at all.
 
         For items a reader wants before their chunk is here: the requests have a
         concurrency limit of their own (``max_concurrency``), beside the downloads', each
         attempt bounded by ``timeout_s``, within the retry budget. Cancelling the Future
         cancels the requests.
         """
-        return self._lt.submit(self._read_ranges(name, ranges))
+        return self._lt.submit(self._read_ranges(name, ranges, checks or [None] * len(ranges)))
 
-    async def _read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
+    async def _read_ranges(
+        self, name: str, ranges: list[tuple[int, int]], checks: list[RangeCheck | None]
+    ) -> list[Any]:
         return await gather_or_cancel(
             read_range(
                 self.storage,
@@ -208,8 +214,9 @@ class Downloader:
                 slot=self._range_gate.slot,
                 stats=self.stats,
                 link=self._link,
+                verify=check,
             )
-            for start, end in ranges
+            for (start, end), check in zip(ranges, checks, strict=True)
         )
 
     def idle_s(self) -> float:

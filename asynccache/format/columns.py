@@ -24,6 +24,8 @@ Columns (``[N]``: one per chunk, ``[N+1]``: a start per chunk and the end):
 * ``items`` <i8 [N], ``bytes`` <i8 [N], ``checksum`` <u8 [N] (the chunk's xxh3_64),
   ``item_start`` <i8 [N+1] (items before the chunk, in chunk order);
 * ``tokens`` <i8 [N], when every chunk's token count is known;
+* ``head`` <u8 [N], the xxh3_64 of each chunk's header (version-2 chunks), when every
+  chunk has one: a header read by range is verified against it;
 * names: ``name_0`` .. ``name_{k-1}`` <i8 [N], the numbers of the file name pattern that
   ``index.json`` records (``chunk-{}-{}.bin``), or, when names follow no pattern,
   ``name_start`` <i8 [N+1] and ``name_bytes`` |u1 (UTF-8, concatenated);
@@ -239,6 +241,7 @@ class Columns:
     checksums: np.ndarray | None = None
     tokens: np.ndarray | None = None
     runs: KeyRuns | None = None
+    heads: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -278,8 +281,11 @@ def from_lists(
     keys: Sequence[Sequence[tuple[int, int]]],
     checksums: Sequence[int] | None = None,
     tokens: Sequence[int | None] | None = None,
+    heads: Sequence[str | None] | None = None,
 ) -> Columns:
-    """Columns of chunks given as lists (what a writer or a version-1 index has)."""
+    """Columns of chunks given as lists (what a writer or a version-1 index has).
+    ``heads``: each chunk's header checksum (``xxh3_64:<hex>``), kept only when every
+    chunk has one."""
     n = len(items)
     it = np.fromiter(items, np.int64, n)
     start = np.zeros(n + 1, dtype=np.int64)
@@ -310,6 +316,11 @@ def from_lists(
     if tokens is not None and all(t is not None for t in tokens):
         tk = _frozen(np.fromiter((int(t or 0) for t in tokens), np.int64, n))
     ck = None if checksums is None else _frozen(np.fromiter(checksums, np.uint64, n))
+    hd = None
+    if heads is not None and all(h is not None for h in heads):
+        hd = _frozen(
+            np.fromiter((int(str(h).split(":", 1)[1], 16) for h in heads), np.uint64, n)
+        )
     return Columns(
         _frozen(it),
         _frozen(np.fromiter(sizes, np.int64, n)),
@@ -318,6 +329,7 @@ def from_lists(
         ck,
         tk,
         runs_,
+        hd,
     )
 
 
@@ -333,6 +345,8 @@ def encode(cols: Columns) -> bytes:
     ]
     if cols.tokens is not None:
         named.append(("tokens", cols.tokens))
+    if cols.heads is not None:
+        named.append(("head", cols.heads))
     if isinstance(cols.names, PatternNames):
         named += [(f"name_{i}", f) for i, f in enumerate(cols.names.fields)]
     else:
@@ -458,6 +472,7 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
     tokens = col("tokens", n) if "tokens" in arrays else None
     if tokens is not None and n and tokens.min() < 0:
         raise BadIndexError(f"{where}: tokens must be non-negative")
+    heads = col("head", n, "<u8") if "head" in arrays else None
     names: Names
     if parts is not None:
         fields = tuple(col(f"name_{i}", n) for i in range(len(parts) - 1))
@@ -494,7 +509,7 @@ def decode(buf: Any, where: str, *, chunks: int, parts: tuple[str, ...] | None) 
             col("key_pos", nruns),
         )
         _check_runs(runs_, items, int(start[-1]), where)
-    return Columns(items, sizes, start, names, checks, tokens, runs_)
+    return Columns(items, sizes, start, names, checks, tokens, runs_, heads)
 
 
 def _rows_repeat(fields: Sequence[np.ndarray]) -> bool:

@@ -68,6 +68,7 @@ _SEAL = re.compile(
     + rb':[0-9a-f]{16})"\n}\n\Z'
 )
 _BODY_END = "\n}\n"
+_HEAD_CHECKSUM = re.compile(CHECKSUM_ALGO + r":[0-9a-f]{16}")
 
 
 def new_hasher() -> Any:
@@ -180,6 +181,9 @@ class ChunkEntry:
     keys: tuple[tuple[int, int], ...]
     #: Tokens the chunk holds (token datasets); None when the writer did not count them.
     tokens: int | None = None
+    #: ``xxh3_64:<hex>`` of the chunk's header (version-2 chunks: the bytes before its
+    #: first item, item checksums included); None for chunks without one.
+    head: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -191,6 +195,8 @@ class ChunkEntry:
         }
         if self.tokens is not None:
             doc["tokens"] = self.tokens
+        if self.head is not None:
+            doc["head"] = self.head
         return doc
 
 
@@ -263,6 +269,7 @@ def _entry_of(cols: Columns, c: int) -> ChunkEntry:
         f"{CHECKSUM_ALGO}:{int(ck[c]):016x}" if ck is not None else "",
         keys,
         None if cols.tokens is None else int(cols.tokens[c]),
+        None if cols.heads is None else f"{CHECKSUM_ALGO}:{int(cols.heads[c]):016x}",
     )
 
 
@@ -298,6 +305,7 @@ class Index:
                 [c.filename for c in ch],
                 [c.keys for c in ch],
                 tokens=[c.tokens for c in ch],
+                heads=[c.head for c in ch],
             )
             object.__setattr__(self, "_cols", cached)
         return cached
@@ -333,6 +341,13 @@ class Index:
     def tokens_per_chunk(self) -> np.ndarray | None:
         """Token count of each chunk (int64, read-only); None when any chunk lacks one."""
         return self.columns.tokens
+
+    @property
+    def head_checksums(self) -> np.ndarray | None:
+        """The ``xxh3_64`` of each chunk's header (uint64, read-only), against which a
+        header read by range is verified; None when any chunk lacks one (chunks written
+        before version 2, token chunks)."""
+        return self.columns.heads
 
     @property
     def item_start(self) -> np.ndarray:
@@ -685,9 +700,14 @@ def _entry(c: Mapping[str, Any], where: str, first: int, at: str = "chunk") -> C
         raise BadIndexError(f"{where}: {name}: tokens must be a non-negative integer")
     if tokens is not None:
         bounds.tokens_fit(bounds.count(tokens, f"{at}.tokens", where), size, at, where)
+    head = c.get("head")
+    if head is not None and not (
+        isinstance(head, str) and _HEAD_CHECKSUM.fullmatch(head) is not None
+    ):
+        raise BadIndexError(f"{where}: {name}: head {head!r} is not {CHECKSUM_ALGO}:<16 hex>")
     default = [[first, items]] if items else []
     keys = _key_runs(c.get("keys", default), items, where, f"{at}.keys ({name})")
-    return ChunkEntry(name, items, size, ck, keys, tokens)
+    return ChunkEntry(name, items, size, ck, keys, tokens, head)
 
 
 def _key_runs(raw: Any, items: int, where: str, at: str) -> tuple[tuple[int, int], ...]:

@@ -103,9 +103,9 @@ class _Stager:
         self.storage, self.settings = storage, settings
         self.local_root = storage.local_path("x") is not None
         self.limit = max(1, limit)
-        self._pending: collections.deque[tuple[str, concurrent.futures.Future[tuple[int, str]]]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque[
+            tuple[str, concurrent.futures.Future[tuple[int, str, str | None]]]
+        ] = collections.deque()
         self._threads = concurrent.futures.ThreadPoolExecutor(
             _STORE_THREADS, thread_name_prefix="asynccache-stage"
         )
@@ -121,9 +121,9 @@ class _Stager:
 
     def put(
         self, name: str, items: list[list[memoryview | bytes]], flags: int = 0
-    ) -> concurrent.futures.Future[tuple[int, str]]:
+    ) -> concurrent.futures.Future[tuple[int, str, str | None]]:
         """Store a chunk of ``items`` (chunk header ``flags``); the future gives its
-        ``(size, checksum)``."""
+        ``(size, checksum, header checksum)``."""
         if len(self._pending) >= self.limit:  # the staging bound: wait for the oldest
             with watch.clock().paused():  # (storage's time, not fn's)
                 while len(self._pending) >= self.limit:
@@ -135,8 +135,9 @@ class _Stager:
 
     def _store(
         self, name: str, items: list[list[memoryview | bytes]], flags: int = 0
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, str | None]:
         hasher = new_hasher()
+        chunk = build(items, flags)
         if self.local_root:
             # In place, straight from the items' buffers. Not fsynced here: the kernel
             # starts writing it back now, and :meth:`sync` fsyncs the shard's chunks
@@ -148,11 +149,11 @@ class _Stager:
                 os.makedirs(directory, exist_ok=True)
                 self._made.add(directory)
             durable = self.settings.durable
-            size = write_file(path, build(items, flags), hasher=hasher, writeback=durable)
-            return size, format_checksum(hasher)
+            size = write_file(path, chunk, hasher=hasher, writeback=durable)
+            return size, format_checksum(hasher), chunk.head
         assert self._dir is not None
         path = os.path.join(self._dir, name)
-        size = write_file(path, build(items, flags), hasher=hasher)
+        size = write_file(path, chunk, hasher=hasher)
         try:
             call(
                 upload_retried(self.storage, path, name, self.settings),
@@ -162,7 +163,7 @@ class _Stager:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        return size, format_checksum(hasher)
+        return size, format_checksum(hasher), chunk.head
 
     def finish(self, fn: Callable[[], ShardResult]) -> concurrent.futures.Future[ShardResult]:
         """Run ``fn`` (a shard's finish: wait for its chunks, write its index) in the background.
@@ -312,7 +313,7 @@ class _Shard:
         self.job, self.fn, self.shard, self.inputs = job, fn, shard, inputs
         self.stager, self.report, self.progress = stager, report, progress
         self.entries: list[
-            tuple[str, int, int, int | None, concurrent.futures.Future[tuple[int, str]]]
+            tuple[str, int, int, int | None, concurrent.futures.Future[tuple[int, str, str | None]]]
         ] = []
         self.buf: list[list[memoryview | bytes]] = []
         self.buf_bytes = 0
@@ -408,8 +409,8 @@ class _Shard:
         job = self.job
         chunks = []
         for name, count, first, tokens, fut in self.entries:
-            size, checksum = wait_for(fut, self.stager.storage.object_url(name))
-            chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),), tokens))
+            size, checksum, head = wait_for(fut, self.stager.storage.object_url(name))
+            chunks.append(ChunkEntry(name, count, size, checksum, ((first, count),), tokens, head))
         self.stager.sync([name for name, *_ in self.entries])
         config = {
             "chunk_bytes": job.chunk_bytes,

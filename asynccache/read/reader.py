@@ -24,9 +24,10 @@ import xxhash
 from ..bridge import forksafe
 from ..cache.layout import reopens, shown_path
 from ..download import heap
+from ..download.ranges import RangeCheck
 from ..errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from ..format import ChunkEntry, ChunkView, Index, checksum, decode
-from ..format.chunk import header_offsets, items_start
+from ..format.chunk import items_start, parse_header
 
 Resolve = Callable[[int, ChunkEntry], str]
 Release = Callable[[int], None]
@@ -49,7 +50,10 @@ class Ranged(Protocol):
     def landed(self, ci: int) -> bool: ...
 
     def read_ranges(
-        self, ci: int, ranges: list[tuple[int, int]]
+        self,
+        ci: int,
+        ranges: list[tuple[int, int]],
+        checks: list[RangeCheck | None] | None = None,
     ) -> concurrent.futures.Future[list[np.ndarray]]: ...
 
     def chunk_url(self, ci: int) -> str: ...
@@ -60,17 +64,18 @@ class Ranged(Protocol):
 class _Early:
     """Items of one chunk read by range before the chunk landed.
 
-    ``items``: position -> (buffer, start, end) not yet handed out; ``digests``: the
-    ``xxh3_64`` of every range fetched (the header's included), compared with the chunk's
-    bytes when this reader maps it.
+    ``items``: position -> (buffer, start, end) not yet handed out, every byte of them
+    verified on arrival (the header against the index, each item against its checksum
+    in that header). ``failed``: the error that ended this chunk's range reads for good
+    (the object was rewritten, or is damaged): raised by every read of the chunk this
+    epoch, so no item of it is handed out.
     """
 
-    __slots__ = ("digests", "items", "offsets")
+    __slots__ = ("failed", "items")
 
-    def __init__(self, offsets: np.ndarray) -> None:
-        self.offsets = offsets
+    def __init__(self, failed: DataError | None = None) -> None:
         self.items: dict[int, tuple[np.ndarray, int, int]] = {}
-        self.digests: list[tuple[int, int, int]] = []
+        self.failed = failed
 
 
 class _Mapped:
@@ -204,7 +209,6 @@ class Reader:
         self._verified: set[int] = set()
         self._lock = threading.Lock()
         self._ranged = ranged
-        self.unchecked_ranges = 0  # chunks of range-read items not in the cache at close
         self._reset_early()
         forksafe.register(self)
 
@@ -232,17 +236,14 @@ class Reader:
         """Item ``pos`` of chunk number ``chunk``."""
         early = self._early.get(chunk) if self._early else None
         if early is not None:
+            if early.failed is not None:
+                raise early.failed
             with self._lock:
                 got = early.items.pop(pos, None)
             if got is not None:
                 buf, start, end = got
                 where = f"{self._where(chunk)} item {pos} (range read)"
-                try:
-                    return decode(buf, start, end, where=where, allow_pickle=self._allow_pickle)
-                except DataError:
-                    # Damaged in transit, most likely: read it from the chunk, which is
-                    # verified, and whose comparison with the ranges names the damage.
-                    log.debug("%s: not decodable; reading it from the chunk", where)
+                return decode(buf, start, end, where=where, allow_pickle=self._allow_pickle)
         m = self._chunk(chunk)
         start, end = m.view.span(pos)
         dt = m.view.token_dtype
@@ -282,9 +283,14 @@ class Reader:
         At the start of an epoch, before this reader has mapped any chunk, the items
         whose chunk has not landed yet are fetched by HTTP Range into memory (their
         chunks keep downloading), up to ``first_read_bytes`` per epoch, so the first
-        batch does not wait for whole chunks. Each fetched range is compared with the
-        chunk when this reader maps it (a mismatch: :class:`ChecksumMismatchError`).
-        A failed range read is not an error: those items are read from their chunks.
+        batch does not wait for whole chunks. Only chunks whose header checksum the
+        index records are read so (chunk version 2): every range is verified as it
+        arrives, before any of its bytes is handed out (the header against the index,
+        each item against its checksum in that header), and fetched again when it does
+        not match. A range read that fails otherwise (the network) is not an error:
+        those items are read from their chunks. One that keeps failing verification
+        (the chunk was rewritten, or is damaged) makes every read of its chunk this epoch
+        raise that :class:`ChecksumMismatchError`.
         """
         if self._ranged is None:
             return
@@ -310,6 +316,10 @@ class Reader:
             skip = set(self._open) | set(self._early)
         landed: dict[int, bool] = {}
         want: dict[int, list[int]] = {}
+        if self.index.head_checksums is None:
+            # Written before chunk version 2: a range of these chunks can't be verified
+            # before the whole chunk is here, so their items wait for their chunks.
+            return want
         left = self._early_left
         sizes = self.index.bytes_per_chunk
         counts = self.index.items_per_chunk
@@ -331,21 +341,36 @@ class Reader:
         return want
 
     def _fetch_early(self, want: dict[int, list[int]]) -> None:
-        """Headers of the chunks in ``want`` (one round), then their items (one more)."""
+        """Headers of the chunks in ``want`` (one round), then their items (one more),
+        each verified on arrival (see :meth:`expect`)."""
         assert self._ranged is not None
         counts = self.index.items_per_chunk
         sizes = self.index.bytes_per_chunk
-        heads = {
-            ci: self._ranged.read_ranges(ci, [(0, items_start(int(counts[ci])))]) for ci in want
-        }
+        heads_ck = self.index.head_checksums
+        assert heads_ck is not None
+        heads = {}
+        for ci in want:
+            span = (0, items_start(int(counts[ci])))
+            check = RangeCheck(int(sizes[ci]), _header_check(int(heads_ck[ci])))
+            heads[ci] = (span, check, self._ranged.read_ranges(ci, [span], [check]))
         early: dict[int, _Early] = {}
         bodies: dict[int, tuple[list[tuple[int, int]], concurrent.futures.Future[Any]]] = {}
+        tables: dict[int, np.ndarray] = {}  # each chunk's item offsets, from its header
         left = self._early_left
-        for ci, fut in heads.items():
-            (head,) = _result(fut)
-            offsets = header_offsets(head, int(counts[ci]), int(sizes[ci]), self._where(ci))
-            e = early[ci] = _Early(offsets)
-            e.digests.append((0, len(head), xxhash.xxh3_64_intdigest(head)))
+        for ci, (span, head_check, fut) in heads.items():
+            got = _outcome(fut, self._where(ci))
+            if not isinstance(got, list):
+                if got is not None:
+                    early[ci] = _Early(got)
+                continue
+            try:
+                offsets, sums = parse_header(
+                    got[0], int(counts[ci]), int(sizes[ci]), self._where(ci)
+                )
+            except DataError as exc:  # verified, yet not the index's: the writer's fault
+                early[ci] = _Early(exc)
+                continue
+            tables[ci] = offsets
             spans = []
             for pos in want[ci]:
                 start, end = int(offsets[pos]), int(offsets[pos + 1])
@@ -355,40 +380,43 @@ class Reader:
                 spans.append((start, end))
             if spans:
                 ranges = _coalesce(spans, _COALESCE_GAP, _RANGE_BYTES)
-                bodies[ci] = (ranges, self._ranged.read_ranges(ci, ranges))
+                origin = (span[0], span[1], head_check.check)
+                checks: list[RangeCheck | None] = [
+                    RangeCheck(
+                        int(sizes[ci]),
+                        _ItemsCheck(offsets, sums, lo, hi, self.index, ci),
+                        origin,
+                    )
+                    for lo, hi in ranges
+                ]
+                bodies[ci] = (ranges, self._ranged.read_ranges(ci, ranges, checks))
         for ci, (ranges, fut) in bodies.items():
-            e = early[ci]
-            for (lo, hi), buf in zip(ranges, _result(fut), strict=True):
-                e.digests.append((lo, hi, xxhash.xxh3_64_intdigest(buf)))
+            got = _outcome(fut, self._where(ci))
+            if not isinstance(got, list):
+                if got is not None:
+                    early[ci] = _Early(got)
+                continue
+            e = early[ci] = _Early()
+            offsets = tables[ci]
+            for (lo, hi), buf in zip(ranges, got, strict=True):
                 for pos in want[ci]:
-                    start, end = int(e.offsets[pos]), int(e.offsets[pos + 1])
+                    start, end = int(offsets[pos]), int(offsets[pos + 1])
                     if lo <= start and end <= hi:
                         e.items[pos] = (buf, start - lo, end - lo)
         with self._lock:
             self._early.update(early)
 
-    def _check_early(self, ci: int, m: _Mapped) -> None:
-        """Compare what was read of chunk ``ci`` by range with the chunk (now verified)."""
+    def _drop_early(self, ci: int) -> None:
+        """Chunk ``ci`` is mapped: its items not read yet come from the mapping, and the
+        buffers read by range for it go (a failure stays: it is this epoch's answer)."""
         with self._lock:
-            early = self._early.pop(ci, None)
-        if early is None:
-            return
-        view = memoryview(m.mm) if m.mm else memoryview(b"")
-        for lo, hi, digest in early.digests:
-            if xxhash.xxh3_64_intdigest(view[lo:hi]) != digest:
-                raise ChecksumMismatchError(
-                    f"{self._where(ci)}: bytes {lo}-{hi} read by range before the chunk "
-                    "landed differ from the verified chunk (damaged in transit); items "
-                    "read from them were already handed out"
-                )
-        view.release()
-        if m.mm:
-            # The mapping is new and nothing points into it yet: unmap the pages the
-            # comparison read (up to first_read_bytes), or they would stay in this
-            # process's memory for as long as the chunk is open.
-            m.mm.madvise(mmap.MADV_DONTNEED)
-        del early, view
-        if not self._early:
+            early = self._early.get(ci)
+            if early is None or early.failed is not None:
+                return
+            del self._early[ci]
+            left = any(e.failed is None for e in self._early.values())
+        del early
+        if not left:
             # The last range-read buffers are gone: give the heap's free pages back (the
             # pieces they were received in stayed resident in the I/O thread's arena).
             heap.trim()
@@ -433,11 +461,7 @@ class Reader:
         m = _Mapped(mm, view, path, name, ino)
         self._mapped_any = True
         if self._early:
-            try:
-                self._check_early(ci, m)
-            except BaseException:
-                self._released(ci)
-                raise
+            self._drop_early(ci)
         dropped = []
         with self._lock:
             self._verified.add(ci)
@@ -464,23 +488,12 @@ class Reader:
             self._released(ci)
 
     def close(self) -> None:
-        """Drop every mapping (items already returned stay valid).
-
-        First compares the items read by range with each chunk they came from that is
-        in the cache now (mapping it). A chunk that has not landed, or was evicted, is not
-        fetched for that: a loop broken after its first batch, or a budget that already
-        let the chunk go, would otherwise download whole chunks at close. Those ranges
-        stay unchecked (counted in ``unchecked_ranges``). Then the next epoch may read by
-        range again.
-        """
-        try:
-            for ci in list(self._early):
-                if self._ranged is None or self._ranged.landed(ci):
-                    self._chunk(ci)
-                else:
-                    self.unchecked_ranges += 1
-        finally:
-            self._reset_early()
+        """Drop every mapping (items already returned stay valid) and the items read by
+        range not handed out; the next epoch may read by range again."""
+        held = bool(self._early)
+        self._reset_early()
+        if held:
+            heap.trim()
         with self._lock:
             dropped = list(self._open)
             self._open.clear()
@@ -541,3 +554,61 @@ def _result(fut: concurrent.futures.Future[Any]) -> Any:
     except BaseException:
         fut.cancel()
         raise
+
+
+def _header_check(want: int) -> Callable[[np.ndarray], str | None]:
+    """The check of a chunk header read by range: its ``xxh3_64`` is ``want`` (the
+    index's)."""
+
+    def check(buf: np.ndarray) -> str | None:
+        got = xxhash.xxh3_64_intdigest(buf.data)
+        if got == want:
+            return None
+        return f"its header hashes to xxh3_64 {got:016x}, the index records {want:016x}"
+
+    return check
+
+
+class _ItemsCheck:
+    """The check of bytes ``[lo, hi)`` of chunk ``ci`` read by range: every item within
+    them hashes to its checksum in the chunk's (verified) header. What differs names the
+    item's position and key."""
+
+    __slots__ = ("ci", "hi", "index", "lo", "offsets", "sums")
+
+    def __init__(
+        self, offsets: np.ndarray, sums: np.ndarray, lo: int, hi: int, index: Index, ci: int
+    ) -> None:
+        self.offsets, self.sums, self.lo, self.hi = offsets, sums, lo, hi
+        self.index, self.ci = index, ci
+
+    def __call__(self, buf: np.ndarray) -> str | None:
+        lo, hi, offsets = self.lo, self.hi, self.offsets
+        p = int(np.searchsorted(offsets, lo, side="left"))
+        last = len(offsets) - 1
+        while p < last and int(offsets[p + 1]) <= hi:
+            a, b = int(offsets[p]) - lo, int(offsets[p + 1]) - lo
+            got = xxhash.xxh3_64_intdigest(buf[a:b].data)
+            want = int(self.sums[p])
+            if got != want:
+                key = int(self.index.chunk_keys(self.ci)[p])
+                return (
+                    f"item {p} (key {key}) hashes to xxh3_64 {got:016x}, its checksum in "
+                    f"the chunk's header is {want:016x}"
+                )
+            p += 1
+        return None
+
+
+def _outcome(fut: concurrent.futures.Future[Any], where: str) -> list[Any] | DataError | None:
+    """The ranges of ``fut``; the :class:`DataError` that ended them for good (their
+    bytes did not verify: a rewritten or damaged chunk); or None when they failed
+    otherwise (the network), and the chunk path, which retries and reports, reads them."""
+    try:
+        return list(_result(fut))
+    except DataError as exc:
+        log.warning("%s: %s", where, exc)
+        return exc
+    except Exception as exc:
+        log.debug("%s: range reads failed, reading from the chunk: %r", where, exc)
+        return None

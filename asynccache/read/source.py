@@ -32,6 +32,7 @@ from ..config import Settings
 from ..download.connection import Connection
 from ..download.downloader import ChunkSpec, Downloader
 from ..download.link import LinkEstimate, endpoint_of, link_for
+from ..download.ranges import RangeCheck
 from ..download.retry import RetryBudget, RetryPolicy
 from ..download.stats import DownloadStats
 from ..errors import (
@@ -354,12 +355,16 @@ class DatasetSource:
         return store.held(name) or store.is_cached(name, int(self.index.bytes_per_chunk[ci]))
 
     def read_ranges(
-        self, ci: int, ranges: list[tuple[int, int]]
+        self,
+        ci: int,
+        ranges: list[tuple[int, int]],
+        checks: list[RangeCheck | None] | None = None,
     ) -> concurrent.futures.Future[list[np.ndarray]]:
         """A Future of the bytes of each ``[start, end)`` of chunk ``ci``, in memory (see
-        :meth:`Downloader.read_ranges`): never cached, verified by the caller against the
-        chunk once it lands. Remote datasets only."""
-        return self.downloader().read_ranges(self.index.filename(ci), ranges)
+        :meth:`Downloader.read_ranges`): never cached; each verified on arrival by its
+        ``checks`` entry (the reader's, from the index and the chunk's header). Remote
+        datasets only."""
+        return self.downloader().read_ranges(self.index.filename(ci), ranges, checks)
 
     def send_hint(self) -> None:
         """Send the hint of :meth:`plan_epoch` to the downloader if not sent yet: once the

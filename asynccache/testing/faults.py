@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ FaultKind = Literal[
     "trickle",
     "slowdown",
     "redirect",
+    "replace",
 ]
 LinkKnob = Literal["latency", "cap"]
 
@@ -249,6 +251,7 @@ class FaultProxy:
         self._first: dict[int, float] = {}  # log index -> first body byte sent, until ended
         self._fired: collections.Counter[FaultKind] = collections.Counter()
         self._link_fired: collections.Counter[LinkKnob] = collections.Counter()
+        self._replacements: list[_Replacement] = []
         self.latency_s = 0.0
         self.conn_bytes_per_s = 0
         self.set_link(latency_s=latency_s, conn_bytes_per_s=conn_bytes_per_s)
@@ -285,6 +288,54 @@ class FaultProxy:
     def clear_faults(self) -> None:
         with self._mu:
             self._faults.clear()
+
+    def replace_object(self, path: str, body: bytes, *, after: int = 0) -> None:
+        """Rewrite an object mid-read: once ``after`` more GETs whose path contains
+        ``path`` were forwarded unchanged, every later GET and HEAD of it is answered by
+        the proxy itself with ``body``, as if the object had been replaced by it: its own
+        size, an ETag of its own, a ``Range`` honoured (206). Each such answer counts as
+        a ``"replace"`` fault (:meth:`fired`); the faults of :meth:`add_fault` don't
+        apply to them.
+        """
+        with self._mu:
+            self._replacements.append(_Replacement(path, bytes(body), after))
+
+    def _take_replacement(self, method: str, path: str) -> _Replacement | None:
+        """The replacement that answers this request, if any (counts the GETs let through
+        before it takes effect)."""
+        with self._mu:
+            for r in self._replacements:
+                if r.path not in path or method not in ("GET", "HEAD"):
+                    continue
+                if r.after > 0:
+                    if method == "GET":
+                        r.after -= 1
+                    return None
+                return r
+            return None
+
+    async def _answer_replaced(
+        self, request: web.Request, rng: str | None, r: _Replacement
+    ) -> web.StreamResponse:
+        """Answer ``request`` from the replacement's bytes, as an origin would."""
+        self._fire("replace")
+        total = len(r.body)
+        headers = {"ETag": f'"{r.etag}"', "Content-Type": "application/octet-stream"}
+        if request.method == "HEAD":
+            resp = web.StreamResponse(status=200, headers=headers)
+            resp.content_length = total
+            await resp.prepare(request)
+            return resp
+        start = _range_start(rng)
+        if start < 0:
+            return web.Response(status=200, body=r.body, headers=headers)
+        last = rng.rpartition("-")[2] if rng else ""
+        end = min(total, int(last) + 1) if last.isdigit() else total
+        if start >= total:
+            headers["Content-Range"] = f"bytes */{total}"
+            return web.Response(status=416, headers=headers)
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{total}"
+        return web.Response(status=206, body=r.body[start:end], headers=headers)
 
     def set_link(
         self, *, latency_s: float | None = None, conn_bytes_per_s: int | None = None
@@ -389,6 +440,13 @@ class FaultProxy:
 
     async def _handle_counted(self, request: web.Request, index: int) -> web.StreamResponse:
         rng = request.headers.get("Range") or request.headers.get("x-ms-range")
+        replaced = self._take_replacement(request.method, request.path)
+        if replaced is not None:
+            with self._mu:
+                self._log.append(
+                    RequestRecord(request.method, request.path, rng, "replace", time.monotonic())
+                )
+            return await self._answer_replaced(request, rng, replaced)
         fault = self._take_fault(request.method, request.path, rng)
         peer = request.transport.get_extra_info("peername") if request.transport else None
         with self._mu:
@@ -560,6 +618,19 @@ class FaultProxy:
             else:
                 transport.abort()  # a reset (and the end of a stall)
         raise asyncio.CancelledError  # the response cannot be finished: drop the handler
+
+
+@dataclasses.dataclass
+class _Replacement:
+    """An object's new bytes, served once ``after`` more GETs were let through."""
+
+    path: str
+    body: bytes
+    after: int
+
+    @property
+    def etag(self) -> str:
+        return hashlib.md5(self.body, usedforsecurity=False).hexdigest()
 
 
 class _Pace:

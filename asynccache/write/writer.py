@@ -151,9 +151,10 @@ class ChunkWriter:
 
         dt = self.token_dtype
         flags = 0 if dt is None else flags_for(dt)
+        chunk = build(self._items, flags)
 
         def pieces() -> Iterable[bytes | memoryview]:
-            for p in build(self._items, flags):
+            for p in chunk:
                 hasher.update(p)
                 yield p
 
@@ -161,7 +162,13 @@ class ChunkWriter:
         tokens = None if dt is None else self._tokens // dt.itemsize
         self._entries.append(
             ChunkEntry(
-                name, len(self._items), size, format_checksum(hasher), runs(self._keys), tokens
+                name,
+                len(self._items),
+                size,
+                format_checksum(hasher),
+                runs(self._keys),
+                tokens,
+                chunk.head,
             )
         )
         self._keys, self._items, self._bytes, self._tokens = [], [], 0, 0
@@ -320,9 +327,10 @@ def compact_dir(directory: str, index: Index) -> Index:
                 return
             name = f"chunk-{SORTED_WRITER}-{len(entries)}.bin"
             hasher = new_hasher()
+            chunk = build(batch, flags)  # the items' checksums are computed again here
 
             def pieces() -> Iterable[bytes | memoryview]:
-                for p in build(batch, flags):
+                for p in chunk:
                     hasher.update(p)
                     yield p
 
@@ -336,6 +344,7 @@ def compact_dir(directory: str, index: Index) -> Index:
                     format_checksum(hasher),
                     ((first, len(batch)),),
                     tokens,
+                    chunk.head,
                 )
             )
             batch, batch_bytes = [], 0

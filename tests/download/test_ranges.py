@@ -102,7 +102,7 @@ def test_both_paths_give_the_same_errors(tmp_path, lt, src, http_origin) -> None
     seen = {}
     for receive in PATHS:
         with FaultProxy(http_origin(src).url) as proxy:
-            proxy.add_fault(Fault("status", status=503, times=10, range="bytes=64-"))
+            proxy.add_fault(Fault("status", status=500, times=10, range="bytes=64-"))
             dl = _downloader(tmp_path, lt, proxy.url, receive, retries=1)
             try:
                 with pytest.raises(ObjectNotFoundError) as missing:
@@ -115,11 +115,25 @@ def test_both_paths_give_the_same_errors(tmp_path, lt, src, http_origin) -> None
             assert proxy.fired("status") == 2, receive  # both attempts met the fault
         assert f"{proxy.url}/chunk-9-9.bin" in str(missing.value)
         assert f"{proxy.url}/chunk-0-0.bin" in str(spent.value)
-        assert "503" in str(spent.value.__cause__)
+        assert "500" in str(spent.value.__cause__)
         if receive == "direct":
             assert pool is not None and pool.handed_back == 0
         seen[receive] = (type(missing.value), type(spent.value), type(spent.value.__cause__))
     assert seen["direct"] == seen["aiohttp"]
+
+
+def test_throttling_is_waited_out_not_counted_as_retries(tmp_path, lt, src, http_origin) -> None:
+    """Four SlowDown answers in a row, with a retry budget of one: a range read waits them
+    out (they count against the throttle patience, not against the retries)."""
+    with FaultProxy(http_origin(src).url) as proxy:
+        proxy.add_fault(Fault("slowdown", times=4, range="bytes=64-"))
+        dl = _downloader(tmp_path, lt, proxy.url, "direct", retries=1)
+        try:
+            (got,) = dl.read_ranges("chunk-0-0.bin", [(64, 128)]).result(30)
+        finally:
+            dl.close()
+        assert proxy.fired("slowdown") == 4
+    assert bytes(got) == DATA[64:128]
 
 
 def test_a_datasets_first_items_by_range_are_the_same_both_ways(objstore, tmp_path) -> None:

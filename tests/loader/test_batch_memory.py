@@ -1,6 +1,5 @@
 """Batches of large items are read from the chunk files into the batch buffer: no page
-of a chunk stays mapped in the reading process (its PSS), and the bytes are the same; nor
-do the pages read to check items read by range."""
+of a chunk stays mapped in the reading process (its PSS), and the bytes are the same."""
 
 from __future__ import annotations
 
@@ -12,12 +11,7 @@ import pytest
 from torch.utils.data import Dataset
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.read.reader import Reader
-from asynccache.testing.faults import Fault, FaultProxy
-from tests.download import test_first_read as first_read
 from tests.loader.test_batch import per_item, same
-
-written, remote = first_read.written, first_read.remote  # (fixtures: a remote dataset)
 
 ITEM = 128 << 10  # rows of this size are read with preadv (batchread._LARGE_ROW: 16 KiB)
 N = 40
@@ -75,34 +69,3 @@ def test_large_rows_leave_no_chunk_pages_mapped(large, shuffle):
     for a, r in zip(got, ref, strict=True):
         same(a, r)
     assert most < BATCH * ITEM
-
-
-def test_pages_compared_with_range_reads_are_not_kept_mapped(
-    remote, written, objstore, tmp_path, monkeypatch
-):
-    """Items read by range before their chunk landed are compared with the chunk when it
-    is mapped: the bug kept every page that comparison read (up to first_read_bytes per
-    reader) mapped for as long as the chunk stayed open. Now none is resident once the
-    comparison is done (measured then: the item read next maps its page-cache folio, up to
-    1 MiB where the file's page cache holds large folios)."""
-    after: list[int] = []
-    compare = Reader._check_early
-
-    def measured(self: Reader, ci: int, m: Any) -> None:
-        compare(self, ci, m)
-        after.append(chunk_rss(tmp_path / "cc"))
-
-    monkeypatch.setattr(Reader, "_check_early", measured)
-    name, size, _ = first_read._first_chunk(written)
-    with FaultProxy(objstore.endpoint_url) as proxy:
-        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=1.0))
-        options = dict(objstore.storage_options, endpoint_url=proxy.url)
-        ds = first_read._dataset(remote, options, tmp_path)
-        it = iter(ds)
-        first = [next(it) for _ in range(10)]  # the range-read ones, then one from the chunk
-        assert proxy.fired("slow") == 1 and ds.source.stats.range_gets == 2
-        assert [g["i"] for g in first] == list(range(10))
-        assert len(after) == 1  # the chunk was compared once
-        assert after[0] < first_read.EARLY // 4  # was EARLY and more (the index: a page)
-        assert len(list(it)) == first_read.N - 10
-        ds.close()

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from asynccache import CacheDataLoader, ChecksumMismatchError, StreamingDataset, WorkerStartError
+from asynccache import CacheDataLoader, StreamingDataset, WorkerStartError
 from asynccache.config import Settings
 from asynccache.format import ChunkView
 from asynccache.testing.faults import Fault, FaultProxy
@@ -115,7 +115,9 @@ def test_cold_first_batch_by_range_is_the_plain_runs(remote, written, objstore, 
     warm.close()
 
 
-def test_a_damaged_range_of_the_first_batch_is_caught(remote, written, objstore, tmp_path):
+def test_a_damaged_range_of_the_first_batch_is_fetched_again(remote, written, objstore, tmp_path):
+    """The main process's range read of the first batch is verified on arrival: the
+    damaged response is fetched again, and no batch holds a damaged item."""
     name, size, first = _chunk(written, 0)
     with FaultProxy(objstore.endpoint_url) as proxy:
         proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=0.5))
