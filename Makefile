@@ -36,8 +36,12 @@ typecheck: install
 demo: install
 	$(PY) examples/train_while_downloading.py
 
+# The named benchmarks with small sizes (benchmarks/README.md); BENCH_ARGS: run_all.py's
+# options, e.g. BENCH_ARGS="--only streaming_epoch" or "--full".
+BENCH_ARGS ?=
+
 bench: install
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 # The peers side by side (benchmarks/compare.py): litdata and mosaicml-streaming, pinned in
 # benchmarks/compare-requirements.txt, in a virtualenv of their own (never .venv, never CI),

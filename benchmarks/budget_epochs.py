@@ -24,71 +24,30 @@ from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 
+import common
 import limits
-from streaming_epoch import Served, quiet, serve
+from common import ProxyProcess, Served
 
 from asynccache import CacheDataLoader, ConfigError, Settings, StreamingDataset
-from asynccache.testing import ObjectStore
-from asynccache.testing.faults import FaultProxy
 
 BUDGETS = (None, 1.0, 0.5, 0.25)  # None: unbounded
 
 
-def proxy_main(upstream: str, conn: Connection) -> None:
-    """Serve a counting proxy until told to stop; answer ``"count"`` with the GETs per
-    chunk file since the last count."""
-    with FaultProxy(upstream) as proxy:
-        conn.send(proxy.url)
-        seen = 0
-        while True:
-            cmd = conn.recv()
-            if cmd == "stop":
-                return
-            log = proxy.requests
-            gets: dict[str, list[str | None]] = collections.defaultdict(list)
-            for r in log[seen:]:
-                name = os.path.basename(r.path)
-                if r.method == "GET" and name.startswith("chunk-"):
-                    gets[name].append(r.range)
-            seen = len(log)
-            conn.send(dict(gets))
-
-
-class Counter:
-    """The counting proxy in a child process (so its relaying does not hold our GIL)."""
-
-    def __init__(self, upstream: str) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=proxy_main, args=(upstream, child), daemon=True)
-        self._proc.start()
-        if not self._conn.poll(60):
-            raise SystemExit("the counting proxy did not start")
-        self.url: str = self._conn.recv()
-
-    def take(self) -> dict[str, list[str | None]]:
-        """The Range header (None: none) of each chunk GET since the last take, by name."""
-        self._conn.send("count")
-        if not self._conn.poll(60):
-            raise SystemExit("the counting proxy did not answer")
-        got: dict[str, list[str | None]] = self._conn.recv()
-        return got
-
-    def close(self) -> None:
-        self._conn.send("stop")
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
+def take_gets(proxy: ProxyProcess, since: int) -> tuple[dict[str, list[str | None]], int]:
+    """The Range header (None: none) of each chunk GET the proxy saw from the ``since``-th
+    request on, by chunk file name; and the mark for the next call."""
+    records = proxy.records(since)
+    gets: dict[str, list[str | None]] = collections.defaultdict(list)
+    for r in common.chunk_gets(records):
+        gets[os.path.basename(r.path)].append(r.range)
+    return dict(gets), since + len(records)
 
 
 def split_gets(
@@ -116,14 +75,6 @@ def split_gets(
     return whole, ranged
 
 
-def chunk_sizes(served: Served) -> dict[str, int]:
-    """Bytes of each chunk file, by name."""
-    sizes: dict[str, int] = collections.Counter()
-    for key, start, end in served.parts:
-        sizes[os.path.basename(key)] += end - start
-    return dict(sizes)
-
-
 @dataclass
 class Row:
     fetched: list[list[float]] = field(default_factory=lambda: [[], []])  # per epoch
@@ -136,8 +87,7 @@ class Row:
 
 def two_epochs(
     served: Served,
-    counter: Counter,
-    proxy_url: str,
+    proxy: ProxyProcess,
     cache: Path,
     budget: int | None,
     shuffle: bool,
@@ -146,9 +96,9 @@ def two_epochs(
 ) -> list[tuple[float, float, int, float]]:
     """(bytes of whole chunks fetched ÷ dataset, MiB/s, chunks fetched twice, bytes read by
     range ÷ dataset) of two epochs."""
-    sizes = chunk_sizes(served)
+    sizes = served.chunk_sizes()
     out = []
-    counter.take()
+    mark = proxy.mark()
     started = time.perf_counter()
     ds = StreamingDataset(
         served.url,
@@ -156,7 +106,7 @@ def two_epochs(
         shuffle=shuffle,
         seed=seed,
         max_cache_bytes=budget,
-        storage_options=dict(served.store.storage_options, endpoint_url=proxy_url),
+        storage_options=served.options_via(proxy.url),
     )
     loader = CacheDataLoader(ds, batch_size=args.batch, num_workers=args.workers)
     for _ in range(2):
@@ -164,7 +114,8 @@ def two_epochs(
         seconds = time.perf_counter() - started
         if items != served.n_items:
             raise SystemExit(f"an epoch yielded {items} of {served.n_items} items")
-        whole, ranged = split_gets(counter.take(), sizes, ds.settings.part_bytes)
+        gets, mark = take_gets(proxy, mark)
+        whole, ranged = split_gets(gets, sizes, ds.settings.part_bytes)
         fetched = sum(sizes[name] * n for name, n in whole.items())
         out.append(
             (
@@ -183,78 +134,53 @@ def two_epochs(
 
 def run(args: argparse.Namespace) -> None:
     settings = Settings.from_env(progress=False)
-    per_chunk = -(-(args.chunk_mb << 20) // settings.part_bytes)
-    concurrency = args.workers * max(
-        1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
-    )
-    work = Path(tempfile.mkdtemp(prefix="asynccache-budget-"))
+    concurrency = common.epoch_concurrency(settings, args.chunk_mb << 20, args.workers)
     rows = {(s, b): Row() for s in (False, True) for b in BUDGETS}
     raw: list[float] = []
     raw_proxy: list[float] = []
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            served = serve(
-                store,
-                work,
-                args.total_mb << 20,
-                args.item_kb << 10,
-                args.chunk_mb << 20,
-                settings.part_bytes,
-            )
-            counter = Counter(store.endpoint_url)
-            try:
-                via = limits.S3Target(
-                    counter.url, "bench", store.access_key, store.secret_key, store.region
-                )
-                mib = served.payload / 2**20
-                print(
-                    f"dataset: {served.n_items} items x {args.item_kb} KiB, {mib:,.0f} MiB in "
-                    f"{len(chunk_sizes(served))} chunks of {args.chunk_mb} MiB; {args.workers} workers, "
-                    f"batch {args.batch}; raw GET concurrency {concurrency}",
-                    flush=True,
-                )
-                for rep in range(args.reps):
-                    raw.append(mib / limits.raw_get_sync(served.target, served.parts, concurrency))
-                    raw_proxy.append(mib / limits.raw_get_sync(via, served.parts, concurrency))
-                    counter.take()
-                    for shuffle in (False, True):
-                        unbounded = 0.0
-                        for b in BUDGETS:
-                            budget = None if b is None else int(served.payload * b)
-                            cache = work / f"cache-{rep}-{int(shuffle)}-{b}"
-                            row = rows[(shuffle, b)]
-                            try:
-                                eps = two_epochs(
-                                    served, counter, counter.url, cache, budget, shuffle, rep, args
-                                )
-                            except ConfigError as exc:  # below the minimum: refused at start
-                                found = re.search(r"minimum of (\d+) bytes", str(exc))
-                                row.below = int(found.group(1)) if found else -1
-                                print(
-                                    f"rep {rep} shuffle={shuffle} budget={b}: refused", flush=True
-                                )
-                                shutil.rmtree(cache, ignore_errors=True)
-                                continue
-                            for e, (fetched, rate, twice, ranged) in enumerate(eps):
-                                row.fetched[e].append(fetched)
-                                row.rate[e].append(rate)
-                                if e == 0:
-                                    row.twice += twice
-                                    row.ranged.append(ranged)
-                            if b is None:
-                                unbounded = eps[0][1]
-                            row.vs_unbounded.append(eps[0][1] / unbounded)
-                            print(
-                                f"rep {rep} shuffle={shuffle} budget={b or 'unbounded'}: "
-                                f"fetched {eps[0][0]:.2f} / {eps[1][0]:.2f}, MiB/s "
-                                f"{eps[0][1]:,.0f} / {eps[1][1]:,.0f}; by range {eps[0][3]:.3f} / "
-                                f"{eps[1][3]:.3f}; load {limits.loadavg()}",
-                                flush=True,
-                            )
-            finally:
-                counter.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with (
+        common.served_dataset(args) as (served, work),
+        ProxyProcess(served.store.endpoint_url) as proxy,
+    ):
+        via = served.target_via(proxy.url)
+        mib = served.payload / 2**20
+        print(
+            f"{args.workers} workers, batch {args.batch}; raw GET concurrency {concurrency}",
+            flush=True,
+        )
+        for rep in range(args.reps):
+            raw.append(mib / limits.raw_get_sync(served.target, served.parts, concurrency))
+            raw_proxy.append(mib / limits.raw_get_sync(via, served.parts, concurrency))
+            for shuffle in (False, True):
+                unbounded = 0.0
+                for b in BUDGETS:
+                    budget = None if b is None else int(served.payload * b)
+                    cache = work / f"cache-{rep}-{int(shuffle)}-{b}"
+                    row = rows[(shuffle, b)]
+                    try:
+                        eps = two_epochs(served, proxy, cache, budget, shuffle, rep, args)
+                    except ConfigError as exc:  # below the minimum: refused at start
+                        found = re.search(r"minimum of (\d+) bytes", str(exc))
+                        row.below = int(found.group(1)) if found else -1
+                        print(f"rep {rep} shuffle={shuffle} budget={b}: refused", flush=True)
+                        shutil.rmtree(cache, ignore_errors=True)
+                        continue
+                    for e, (fetched, rate, twice, ranged) in enumerate(eps):
+                        row.fetched[e].append(fetched)
+                        row.rate[e].append(rate)
+                        if e == 0:
+                            row.twice += twice
+                            row.ranged.append(ranged)
+                    if b is None:
+                        unbounded = eps[0][1]
+                    row.vs_unbounded.append(eps[0][1] / unbounded)
+                    print(
+                        f"rep {rep} shuffle={shuffle} budget={b or 'unbounded'}: "
+                        f"fetched {eps[0][0]:.2f} / {eps[1][0]:.2f}, MiB/s "
+                        f"{eps[0][1]:,.0f} / {eps[1][1]:,.0f}; by range {eps[0][3]:.3f} / "
+                        f"{eps[1][3]:.3f}; load {limits.loadavg()}",
+                        flush=True,
+                    )
     report(args, served, rows, raw, raw_proxy)
 
 
@@ -268,7 +194,7 @@ def report(
     mib = served.payload / 2**20
     print(
         f"\nbudget epochs: {served.n_items} items x {args.item_kb} KiB ({mib:,.0f} MiB) in "
-        f"{len(chunk_sizes(served))} chunks of {args.chunk_mb} MiB, {args.workers} workers, batch "
+        f"{len(served.chunk_sizes())} chunks of {args.chunk_mb} MiB, {args.workers} workers, batch "
         f"{args.batch}, {len(raw)} reps; {limits.cores()} cores, load {limits.loadavg()}; "
         f"{limits.versions('torch', 'aiohttp')}"
     )
@@ -310,15 +236,10 @@ def report(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256, help="dataset size, MiB")
-    ap.add_argument("--chunk-mb", type=int, default=1, help="chunk size, MiB")
-    ap.add_argument("--item-kb", type=int, default=100, help="item size, KiB")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    common.dataset_args(ap, total_mb=256, chunk_mb=1)
     run(ap.parse_args())
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

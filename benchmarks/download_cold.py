@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +44,6 @@ from asynccache.config import Settings
 from asynccache.download import ChunkSpec, prefetch_dataset
 from asynccache.download.parts import split_parts
 from asynccache.storage import open_storage
-from asynccache.testing import ObjectStore
 
 
 def _make_source(src: Path, total: int, chunk: int, blob: bytes) -> list[ChunkSpec]:
@@ -131,11 +128,10 @@ def main() -> None:
     total = args.total_mib << 20
     part_bytes = args.part_mib << 20
     lt = get_loop_thread()
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     load_before = limits.loadavg()
     rows = []
     try:
-        with ObjectStore(volume_size_limit_mb=1024) as objstore:
+        with limits.object_store(args.total_mib) as (objstore, work):
             objstore.create_bucket("bench-data")
             settings = Settings(
                 cache_dir=str(work / "cache"),
@@ -187,7 +183,9 @@ def main() -> None:
                                 durable,
                                 pid,
                             )
-                    runs["disk"] = _disk(work, specs, blob, args.concurrency)
+                    runs["disk"] = _disk(
+                        work, sum(sp.size or 0 for sp in specs), chunk_mib << 20, args.concurrency
+                    )
                     reps.append(runs)
                 rows.append((chunk_mib, len(specs), reps))
                 for mode in paths:
@@ -195,7 +193,6 @@ def main() -> None:
                 lt.call(_delete_all(storage, specs), 600)
     finally:
         lt.close()
-        shutil.rmtree(work, ignore_errors=True)
     print(
         f"\ncold prefetch of {args.total_mib} MiB from local SeaweedFS, concurrency "
         f"{args.concurrency}, parts {args.part_mib} MiB, median (min-max) of {args.reps}; "
@@ -261,30 +258,10 @@ def _line(chunk_mib: int, n: int, reps: list[dict[str, Run]], total: int, mode: 
     )
 
 
-def _disk(work: Path, specs: list[ChunkSpec], blob: bytes, threads: int) -> Run:
+def _disk(work: Path, total: int, chunk_bytes: int, threads: int) -> Run:
     """The same bytes written to new files and fsynced, no network: the disk's limit."""
-    out = work / "disk"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir()
-    view = memoryview(blob)
-
-    def write(spec: ChunkSpec) -> None:
-        size = spec.size or 0
-        fd = os.open(out / spec.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            pos = 0
-            while pos < size:
-                pos += os.pwrite(fd, view[: min(size - pos, len(view), 8 << 20)], pos)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     with limits.CpuClock() as clock:
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-            list(ex.map(write, specs))
-        seconds = time.perf_counter() - t0
-    shutil.rmtree(out)
+        seconds = limits.durable_write(work / "disk", total, chunk_bytes, threads)
     return Run(seconds, clock)
 
 

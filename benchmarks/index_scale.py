@@ -41,13 +41,11 @@ import tempfile
 import time
 from typing import Any
 
+import limits
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asynccache.cache import indexfile
 from asynccache.format import ChunkEntry, Index
-from asynccache.format.columns import from_lists
 
 ITEMS = 100
 CHUNK_BYTES = 64 << 20
@@ -56,11 +54,7 @@ WORLD, WORKERS, BATCH = 64, 8, 32
 
 def pss_kib(field: str = "Pss") -> int:
     """This process's proportional set size (or ``Pss_Anon``: its private part), KiB."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+    return limits.rollup(os.getpid()).get(field, 0) >> 10
 
 
 # -- synthetic indexes --------------------------------------------------------------------
@@ -80,8 +74,6 @@ def synthetic(n: int, root: str) -> tuple[str, str]:
         for name, size, ck, a in zip(names, sizes, checks, starts[:-1], strict=True)
     )
     idx = Index(entries, {"chunk_bytes": CHUNK_BYTES, "writer": "benchmarks/index_scale.py"})
-    cols = from_lists(items.tolist(), sizes.tolist(), names, [e.keys for e in entries], checks)
-    object.__setattr__(idx, "_cols", cols)
     with open(os.path.join(v1, "index.json"), "w") as f:
         f.write(idx.to_json())
     indexfile.write_dir(v2, idx, fsync=False)
@@ -119,8 +111,8 @@ def child(directory: str, rank: int) -> None:
         keys = order.keys(s.start, min(s.end, s.start + BATCH))
         firsts.append(idx.locate_many(keys)[0])
     planned = time.perf_counter() - t0
-    lap = order._lap(0)
-    digest = hashlib.sha256(np.ascontiguousarray(lap._taking).tobytes()).hexdigest()[:16]
+    windows = order.spans(0, order.total).chunks  # every chunk, in the order its window is read
+    digest = hashlib.sha256(np.ascontiguousarray(windows).tobytes()).hexdigest()[:16]
     print(json.dumps({"plan_s": planned, "digest": digest}), flush=True)
     sys.stdin.readline()
 
@@ -174,15 +166,8 @@ def measure(directory: str, procs: int) -> dict[str, Any]:
 def raw_read_s(directory: str) -> tuple[int, float]:
     """Limit (ii): read every file of the index (warm page cache), median of 3."""
     paths = [os.path.join(directory, n) for n in os.listdir(directory)]
-    times, total = [], 0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        total = 0
-        for path in paths:
-            with open(path, "rb") as f:
-                total += len(f.read())
-        times.append(time.perf_counter() - t0)
-    return total, statistics.median(times)
+    runs = [limits.raw_read(paths) for _ in range(3)]
+    return runs[0][0], statistics.median(t for _, t in runs)
 
 
 def resume_bytes(directory: str) -> int:
@@ -302,8 +287,7 @@ def main() -> None:
         url, opts, cache, seed = args.e2e_child
         e2e_child(url, opts, cache, int(seed))
         return
-    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"{limits.versions('asynccache', 'numpy')}; {limits.machine()}")
     rows = []
     root = tempfile.mkdtemp(prefix="index_scale-")
     try:
@@ -330,7 +314,7 @@ def main() -> None:
         e2e = end_to_end(args.e2e_chunks, root) if args.e2e_chunks else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nindex_scale (load {os.getloadavg()[0]:.2f}), {args.procs} processes per form")
+    print(f"\nindex_scale ({limits.machine()}), {args.procs} processes per form")
     print(
         "| chunks | index | MiB on disk | open (median, min-max) | open / raw read | "
         "index PSS per process | of it private (Pss_Anon) | plan 64x8, one rank | "

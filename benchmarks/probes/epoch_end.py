@@ -1,37 +1,42 @@
 """How long the end of a streamed epoch waits after its last batch, with persistent workers.
 
-Writes ``--total-mb`` of ``--item-kb`` KiB items in 64 MiB chunks to a SeaweedFS server on
-loopback, then, ``--reps`` times, runs ``--epochs`` epochs of one ``CacheDataLoader``
-(``persistent_workers=True``, 2 workers, batch 64) over a fresh cache directory, durable
+Writes ``--total-mb`` of ``--item-kb`` KiB items in ``--chunk-mb`` MiB chunks to a SeaweedFS
+server on loopback, then, ``--reps`` times, runs ``--epochs`` epochs of one ``CacheDataLoader``
+(``persistent_workers=True``, ``--workers``, ``--batch``) over a fresh cache directory, durable
 (the default) and with ``durable=False``. Printed per epoch: its time, the time from
 ``iter()`` to the first batch, and from the last batch to the end of the epoch (the
 ``StopIteration``: a worker's iteration ends once the chunks it read are published, so a
 cold epoch's end waits for the last chunk's fsync).
 
-    python benchmarks/epoch_end.py [--total-mb 256] [--reps 2] [--epochs 2]
+    python benchmarks/probes/epoch_end.py [--total-mb 256] [--reps 2] [--epochs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, limits.py
+
+import common
 import limits
-from streaming_epoch import serve
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset
-from asynccache.testing import ObjectStore
 
 
-def run(url: str, options: dict[str, str], cache: Path, durable: bool, epochs: int) -> list[str]:
+def run(
+    url: str, options: dict[str, str], cache: Path, durable: bool, args: argparse.Namespace
+) -> list[str]:
     settings = Settings.from_env(progress=False, durable=durable)
     ds = StreamingDataset(url, cache_dir=cache, storage_options=options, settings=settings)
-    loader = CacheDataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True)
+    loader = CacheDataLoader(
+        ds, batch_size=args.batch, num_workers=args.workers, persistent_workers=True
+    )
     out = []
-    for e in range(epochs):
+    for e in range(args.epochs):
         t0 = time.perf_counter()
         it = iter(loader)
         first = last = None
@@ -52,31 +57,20 @@ def run(url: str, options: dict[str, str], cache: Path, durable: bool, epochs: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256)
-    ap.add_argument("--item-kb", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=2)
+    common.dataset_args(ap, total_mb=256, chunk_mb=64, reps=2)
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
-    print(f"load {limits.loadavg()}", flush=True)
-    try:
-        with ObjectStore(volume_size_limit_mb=max(1024, args.total_mb + 256)) as store:
-            on = Settings.from_env(progress=False)
-            served = serve(
-                store, work, args.total_mb << 20, args.item_kb << 10, 64 << 20, on.part_bytes
-            )
-            options = dict(store.storage_options)
-            for rep in range(args.reps):
-                for durable in (True, False):
-                    cache = work / f"cache-{rep}-{durable}"
-                    lines = run(served.url, options, cache, durable, args.epochs)
-                    kind = "durable" if durable else "durable=False"
-                    for line in lines:
-                        print(f"rep {rep} {kind}: {line}; load {limits.loadavg()}", flush=True)
-                    shutil.rmtree(cache, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with common.served_dataset(args) as (served, work):
+        for rep in range(args.reps):
+            for durable in (True, False):
+                cache = work / f"cache-{rep}-{durable}"
+                lines = run(served.url, served.options_via(), cache, durable, args)
+                kind = "durable" if durable else "durable=False"
+                for line in lines:
+                    print(f"rep {rep} {kind}: {line}; load {limits.loadavg()}", flush=True)
+                shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
+    common.quiet()
     main()

@@ -13,7 +13,7 @@ Reported per case: the epoch's seconds, the first batch's and the second's (aske
 right after the first), median (min-max), and the epoch time with the first batch built
 here ÷ the epoch time without, taken within each repetition (the cost: 1.0 is none).
 
-    python benchmarks/first_batch_cost.py [--total-mb 256] [--reps 5] [--cases warm,cold]
+    python benchmarks/probes/first_batch_cost.py [--total-mb 256] [--reps 5] [--cases warm,cold]
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, limits.py
+
+import common
 import limits
-from streaming_epoch import serve
 
 from asynccache import CacheDataLoader, Settings, StreamingDataset, prefetch
-from asynccache.testing import ObjectStore
 
 
 @dataclass
@@ -68,49 +69,32 @@ def _fmt(xs: list[float], unit: str = "s") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256)
-    ap.add_argument("--chunk-mb", type=int, default=64)
-    ap.add_argument("--item-kb", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
+    common.dataset_args(ap, total_mb=256, chunk_mb=64, reps=5)
     ap.add_argument("--cases", default="warm,cold", help="warm, cold or both")
     ap.add_argument("--shuffle", default="off,on", help="off, on or both")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     load0 = limits.loadavg()
     runs: dict[tuple[str, bool, bool], Runs] = {}
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            on = Settings.from_env(progress=False)
-            served = serve(
-                store,
-                work,
-                args.total_mb << 20,
-                args.item_kb << 10,
-                args.chunk_mb << 20,
-                on.part_bytes,
-            )
-            options = dict(store.storage_options)
-            warm = work / "warm"
-            prefetch(served.url, warm, options, settings=on)
-            for rep in range(args.reps):
-                for case in args.cases.split(","):
-                    for shuffle in (s == "on" for s in args.shuffle.split(",")):
-                        for here in (True, False) if rep % 2 == 0 else (False, True):
-                            cache = warm if case == "warm" else work / f"cold-{rep}-{here}"
-                            epoch, first, second, _n = once(
-                                served.url, options, cache, shuffle, here, args
-                            )
-                            r = runs.setdefault((case, shuffle, here), Runs())
-                            r.epoch.append(epoch)
-                            r.first.append(first)
-                            r.second.append(second)
-                            if cache is not warm:
-                                shutil.rmtree(cache, ignore_errors=True)
-                print(f"rep {rep} done, load {limits.loadavg()}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with common.served_dataset(args) as (served, work):
+        on = Settings.from_env(progress=False)
+        options = dict(served.store.storage_options)
+        warm = work / "warm"
+        prefetch(served.url, warm, options, settings=on)
+        for rep in range(args.reps):
+            for case in args.cases.split(","):
+                for shuffle in (s == "on" for s in args.shuffle.split(",")):
+                    for here in (True, False) if rep % 2 == 0 else (False, True):
+                        cache = warm if case == "warm" else work / f"cold-{rep}-{here}"
+                        epoch, first, second, _n = once(
+                            served.url, options, cache, shuffle, here, args
+                        )
+                        r = runs.setdefault((case, shuffle, here), Runs())
+                        r.epoch.append(epoch)
+                        r.first.append(first)
+                        r.second.append(second)
+                        if cache is not warm:
+                            shutil.rmtree(cache, ignore_errors=True)
+            print(f"rep {rep} done, load {limits.loadavg()}", flush=True)
     print(
         f"\n{args.total_mb} MiB of {args.item_kb} KiB items in {args.chunk_mb} MiB chunks, "
         f"batch {args.batch}, {args.workers} workers, {args.reps} reps; load before "

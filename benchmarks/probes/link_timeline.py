@@ -14,26 +14,27 @@ the defaults, and prints from the proxy's log:
   summed (connection-seconds idle), split into before the first chunk GET, while
   GETs run, and after the last byte.
 
-    python benchmarks/link_timeline.py [--total-mb 256] [--chunk-mb 64] [--links 20:4 50:8]
+    python benchmarks/probes/link_timeline.py [--total-mb 256] [--chunk-mb 64] [--links 20:4 50:8]
         [--shuffle] [--list]
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
+import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import limits
-from link_regime import ProxyProcess, _bare, _options, _parse_link
-from streaming_epoch import serve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, limits.py
 
-from asynccache import CacheDataLoader, Settings, StreamingDataset
+import common
+import limits
+from common import Link, ProxyProcess, Served
+
+from asynccache import Settings
 from asynccache.download.link import forget
-from asynccache.testing import ObjectStore
 
 
 def _gets(records: list[Any], t0: float) -> list[tuple[float, float, float, str, str, int]]:
@@ -59,45 +60,10 @@ def _open_at(gets: list[tuple[float, float, float, str, str, int]], t: float) ->
     return sum(1 for a, _, e, *_ in gets if a <= t < e)
 
 
-def _epoch(
-    served: Any,
-    endpoint: str,
-    settings: Settings,
-    cache: Path,
-    batch: int,
-    workers: int,
-    shuffle: bool = False,
-) -> tuple[float, float, float]:
-    shutil.rmtree(cache, ignore_errors=True)
-    t0 = time.monotonic()
-    ds = StreamingDataset(
-        served.url,
-        cache_dir=cache,
-        storage_options=_options(served, endpoint),
-        settings=settings,
-        shuffle=shuffle,
-    )
-    loader = CacheDataLoader(ds, batch_size=batch, num_workers=workers)
-    first, items = 0.0, 0
-    for b in loader:
-        if not items:
-            first = time.monotonic() - t0
-        items += len(b)
-    end = time.monotonic() - t0
-    assert items == served.n_items
-    del loader, ds
-    shutil.rmtree(cache, ignore_errors=True)
-    return t0, first, end
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=256)
-    ap.add_argument("--chunk-mb", type=int, default=64)
-    ap.add_argument("--item-kb", type=int, default=100)
-    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
+    common.dataset_args(ap, total_mb=256, chunk_mb=64, reps=1)
+    ap.add_argument("--links", nargs="*", default=["20:4", "50:8"], help="L:C (0:0: loopback)")
     ap.add_argument("--bare-part-mib", type=int, default=8)
     ap.add_argument("--step-ms", type=int, default=100)
     ap.add_argument("--list", action="store_true", help="print every GET")
@@ -105,55 +71,48 @@ def main() -> None:
     args = ap.parse_args()
     settings = Settings.from_env(progress=False)
     conc = args.workers * settings.max_concurrency
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
     print(
         f"load {limits.loadavg()}; {args.total_mb} MiB of {args.item_kb} KiB items in "
         f"{args.chunk_mb} MiB chunks, {args.workers} workers, {conc} connections allowed"
     )
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            served = serve(
-                store,
-                work,
-                args.total_mb << 20,
-                args.item_kb << 10,
-                args.chunk_mb << 20,
-                args.bare_part_mib << 20,
-            )
-            proxy = ProxyProcess(store.endpoint_url)
-            try:
-                for text in args.links:
-                    link = _parse_link(text)
-                    proxy.set_link(link.latency_s, link.cap)
-                    forget(proxy.url.rstrip("/"))
-                    _one(link.name, served, proxy, settings, args, work, conc)
-            finally:
-                proxy.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with (
+        common.served_dataset(args, args.bare_part_mib << 20) as (served, work),
+        ProxyProcess(served.store.endpoint_url) as proxy,
+    ):
+        for text in args.links:
+            link = Link.parse(text)
+            proxy.set_link(link)
+            forget(proxy.url.rstrip("/"))
+            _one(link.name, served, proxy, settings, args, work, conc)
     print(f"load {limits.loadavg()}")
 
 
 def _one(
     name: str,
-    served: Any,
+    served: Served,
     proxy: ProxyProcess,
     settings: Settings,
     args: argparse.Namespace,
     work: Path,
     conc: int,
 ) -> None:
-    seen = len(proxy.records())
+    seen = proxy.mark()
     tb = time.monotonic()
-    bare_s = _bare(served, proxy.url, served.parts, conc)
-    bare = _gets(proxy.records()[seen:], tb)
+    bare_s = asyncio.run(limits.raw_get(served.target_via(proxy.url), served.parts, conc))
+    bare = _gets(proxy.records(seen), tb)
     b0 = min(a for a, *_ in bare)
     bare = [(a - b0, f - b0, e - b0, *rest) for a, f, e, *rest in bare]
-    seen = len(proxy.records())
-    t0, first, end = _epoch(
-        served, proxy.url, settings, work / "cache", args.batch, args.workers, args.shuffle
+    seen = proxy.mark()
+    t0, first, end = common.cold_epoch(
+        served,
+        work / "cache",
+        args.batch,
+        args.workers,
+        shuffle=args.shuffle,
+        settings=settings,
+        endpoint=proxy.url,
     )
-    ep = _gets(proxy.records()[seen:], t0)
+    ep = _gets(proxy.records(seen), t0)
     last = max(e for *_, e, _, _, _ in [(a, f, e, c, r, p) for a, f, e, c, r, p in ep])
     print(
         f"\n== {name}: bare loop {bare_s:.2f} s ({len(bare)} GETs); cold epoch {end:.2f} s "
@@ -188,4 +147,5 @@ def _one(
 
 
 if __name__ == "__main__":
+    common.quiet()
     main()

@@ -6,8 +6,8 @@ path ``--receive`` and prints wall time and this process's CPU. Run it under py-
 where the I/O thread's CPU goes, e.g.::
 
     py-spy record --native --threads -r 200 -f raw -o prof.txt -- \\
-        python benchmarks/prefetch_profile.py --receive direct
-    python benchmarks/prefetch_profile.py --summarize prof.txt
+        python benchmarks/probes/prefetch_profile.py --receive direct
+    python benchmarks/probes/prefetch_profile.py --summarize prof.txt
 
 ``--summarize`` prints the I/O thread's samples by leaf (the function on CPU).
 """
@@ -20,19 +20,22 @@ import collections
 import os
 import resource
 import shutil
-import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
 
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # limits.py
+
+import limits
+
 from asynccache.bridge import get_loop_thread
 from asynccache.cache import ChunkStore, dataset_dir
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, prefetch_dataset
 from asynccache.storage import open_storage
-from asynccache.testing import ObjectStore
 
 _LEAVES = (
     ("pwrite", "pwrite into the page cache"),
@@ -119,57 +122,53 @@ def main() -> None:
     if args.summarize:
         summarize(args.summarize)
         return
-    work = Path(tempfile.mkdtemp(prefix="asynccache-prof-"))
     chunk = args.chunk_mib << 20
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as objstore:
-            objstore.create_bucket("prof")
-            src = work / "src"
-            src.mkdir()
-            blob = os.urandom(chunk)
-            specs = []
-            for i in range(max(1, (args.total_mib << 20) // chunk)):
-                data = blob[i:] + blob[:i]
-                (src / f"c-{i}.bin").write_bytes(data)
-                specs.append(ChunkSpec(f"c-{i}.bin", chunk, xxhash.xxh3_64(data).hexdigest()))
-            settings = Settings(
-                cache_dir=str(work / "cache"),
-                max_concurrency=args.concurrency,
-                part_bytes=args.part_mib << 20,
-                adaptive_parts=False,
-                progress=False,
-                receive=args.receive,
-                durable=bool(args.durable),
-            )
-            up = open_storage("s3://prof/ds", settings, objstore.storage_options)
-            asyncio.run(_upload(up, src, [s.name for s in specs]))
-            shutil.rmtree(src)
-            storage = open_storage("s3://prof/ds", settings, objstore.storage_options)
-            lt = get_loop_thread()
-            lt.register_closer(storage.close)
-            store = ChunkStore(
-                dataset_dir(work / "cache", "s3://prof/ds", "p"),
-                max_cache_bytes=4 << 30,
-                durable=bool(args.durable),
-            )
-            lt.call(asyncio.sleep(0), 10)  # the I/O thread runs
-            io0 = _thread_cpu("asynccache-io")
-            r0 = resource.getrusage(resource.RUSAGE_SELF)
-            t0 = time.perf_counter()
-            prefetch_dataset(storage, store, specs, settings, progress=False)
-            wall = time.perf_counter() - t0
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-            io_cpu = _thread_cpu("asynccache-io") - io0
-            cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
-            print(
-                f"receive={args.receive} durable={args.durable}: {args.total_mib} MiB in "
-                f"{wall:.2f} s, client CPU {cpu:.2f} s ({cpu / (args.total_mib / 1024):.2f} "
-                f"s/GiB; the I/O thread {io_cpu:.2f} s), load {os.getloadavg()[0]:.1f}"
-            )
-            store.close()
-            lt.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with limits.object_store(args.total_mib) as (objstore, work):
+        objstore.create_bucket("prof")
+        src = work / "src"
+        src.mkdir()
+        blob = os.urandom(chunk)
+        specs = []
+        for i in range(max(1, (args.total_mib << 20) // chunk)):
+            data = blob[i:] + blob[:i]
+            (src / f"c-{i}.bin").write_bytes(data)
+            specs.append(ChunkSpec(f"c-{i}.bin", chunk, xxhash.xxh3_64(data).hexdigest()))
+        settings = Settings(
+            cache_dir=str(work / "cache"),
+            max_concurrency=args.concurrency,
+            part_bytes=args.part_mib << 20,
+            adaptive_parts=False,
+            progress=False,
+            receive=args.receive,
+            durable=bool(args.durable),
+        )
+        up = open_storage("s3://prof/ds", settings, objstore.storage_options)
+        asyncio.run(_upload(up, src, [s.name for s in specs]))
+        shutil.rmtree(src)
+        storage = open_storage("s3://prof/ds", settings, objstore.storage_options)
+        lt = get_loop_thread()
+        lt.register_closer(storage.close)
+        store = ChunkStore(
+            dataset_dir(work / "cache", "s3://prof/ds", "p"),
+            max_cache_bytes=4 << 30,
+            durable=bool(args.durable),
+        )
+        lt.call(asyncio.sleep(0), 10)  # the I/O thread runs
+        io0 = _thread_cpu("asynccache-io")
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        prefetch_dataset(storage, store, specs, settings, progress=False)
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        io_cpu = _thread_cpu("asynccache-io") - io0
+        cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+        print(
+            f"receive={args.receive} durable={args.durable}: {args.total_mib} MiB in "
+            f"{wall:.2f} s, client CPU {cpu:.2f} s ({cpu / (args.total_mib / 1024):.2f} "
+            f"s/GiB; the I/O thread {io_cpu:.2f} s), load {limits.loadavg()}"
+        )
+        store.close()
+        lt.close()
 
 
 if __name__ == "__main__":

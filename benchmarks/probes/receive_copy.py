@@ -10,7 +10,7 @@ them into a preallocated file, one way per run, and prints its own user and syst
   zero-filled pages instead);
 * ``mmap-pop``: the same after ``MADV_POPULATE_WRITE`` (Linux 5.14+) pre-faults the mapping.
 
-    python benchmarks/receive_copy.py [--mib 512] [--rounds 5] [--ways buf1024 mmap mmap-pop]
+    python benchmarks/probes/receive_copy.py [--mib 512] [--rounds 5] [--ways buf1024 mmap mmap-pop]
 
 The ways alternate within each round; medians and ranges are printed at the end.
 """

@@ -17,25 +17,25 @@ items/s of each, median (min-max), and their ratio within a repetition. Checked 
 each restart epoch: every chunk's stamp reads ``synced`` (each was checked and kept; one
 fetched again would carry this boot's stamp instead).
 
-    sudo python benchmarks/restart_epoch.py [--total-mb 1024] [--reps 3]
+    sudo python benchmarks/probes/restart_epoch.py [--total-mb 1024] [--reps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, limits.py
+
+import common
 import limits
-from streaming_epoch import quiet, serve, streaming_loader, timed_epoch
+from common import streaming_loader, timed_epoch
 
 from asynccache import Settings
 from asynccache.cache import stamp
-from asynccache.testing import ObjectStore
 
 EARLIER = b"00000000-0000-4000-8000-000000000000"
 
@@ -54,65 +54,51 @@ def run(args: argparse.Namespace) -> None:
     settings = Settings.from_env(progress=False)
     if not settings.durable or settings.fsync_publish:
         raise SystemExit("run with the defaults (durable, stamps): nothing to check otherwise")
-    work = Path(tempfile.mkdtemp(prefix="asynccache-bench-"))
-    try:
-        with ObjectStore(volume_size_limit_mb=1024) as store:
-            served = serve(
-                store, work, args.total_mb << 20, 100 << 10, 64 << 20, settings.part_bytes
-            )
-            cache = work / "cache"
-            loader = streaming_loader(served, cache, False, 0, args.batch, args.workers)
-            cold = timed_epoch(loader, store.pid, cache)
-            files = chunk_files(cache)
-            if stamp.read(files[0]) != stamp.boot_id():
-                raise SystemExit(f"{files[0]}: not stamped: a file system without xattrs?")
+    with common.served_dataset(args) as (served, work):
+        cache = work / "cache"
+        loader = streaming_loader(served, cache, False, 0, args.batch, args.workers)
+        cold = timed_epoch(loader, served.store.pid, cache)
+        files = chunk_files(cache)
+        if stamp.read(files[0]) != stamp.boot_id():
+            raise SystemExit(f"{files[0]}: not stamped: a file system without xattrs?")
+        print(
+            f"filled: {served.n_items} items, {len(files)} chunks, cold {cold.rate:,.0f} "
+            f"items/s; load {limits.loadavg()}",
+            flush=True,
+        )
+        plain: list[float] = []
+        checked: list[float] = []
+        for rep in range(args.reps):
+            drop_page_cache()
+            plain.append(timed_epoch(loader, served.store.pid).rate)
+            for p in files:
+                os.setxattr(p, stamp.ATTR, EARLIER)
+            drop_page_cache()
+            started = time.perf_counter()
+            e = timed_epoch(loader, served.store.pid)
+            checked.append(e.rate)
+            stamps = {stamp.read(p) for p in files}
+            if stamps != {stamp.SYNCED} or e.items != served.n_items:
+                raise SystemExit(f"after the check: stamps {stamps}, {e.items} items")
             print(
-                f"filled: {served.n_items} items, {len(files)} chunks, cold {cold.rate:,.0f} "
-                f"items/s; load {limits.loadavg()}",
+                f"rep {rep}: from disk {plain[-1]:,.0f} items/s, after a restart "
+                f"{checked[-1]:,.0f} ({time.perf_counter() - started:.2f} s, "
+                f"{len(files)} chunks checked); load {limits.loadavg()}",
                 flush=True,
             )
-            plain: list[float] = []
-            checked: list[float] = []
-            for rep in range(args.reps):
-                drop_page_cache()
-                plain.append(timed_epoch(loader, store.pid).rate)
-                for p in files:
-                    os.setxattr(p, stamp.ATTR, EARLIER)
-                drop_page_cache()
-                started = time.perf_counter()
-                e = timed_epoch(loader, store.pid)
-                checked.append(e.rate)
-                stamps = {stamp.read(p) for p in files}
-                if stamps != {stamp.SYNCED} or e.items != served.n_items:
-                    raise SystemExit(f"after the check: stamps {stamps}, {e.items} items")
-                print(
-                    f"rep {rep}: from disk {plain[-1]:,.0f} items/s, after a restart "
-                    f"{checked[-1]:,.0f} ({time.perf_counter() - started:.2f} s, "
-                    f"{len(files)} chunks checked); load {limits.loadavg()}",
-                    flush=True,
-                )
-            del loader
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        del loader
     ratios = [c / p for c, p in zip(checked, plain, strict=True)]
-
-    def fig(xs: list[float], fmt: str) -> str:
-        return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
-
-    print(f"from disk:       {fig(plain, ',.0f')} items/s")
-    print(f"after a restart: {fig(checked, ',.0f')} items/s")
-    print(f"after a restart / from disk: {fig(ratios, '.2f')}")
+    print(f"from disk:       {limits.cell(plain)} items/s")
+    print(f"after a restart: {limits.cell(checked)} items/s")
+    print(f"after a restart / from disk: {limits.cell(ratios, '.2f')}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mb", type=int, default=1024, help="dataset size, MiB")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    common.dataset_args(ap, total_mb=1024, chunk_mb=64)
     run(ap.parse_args())
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

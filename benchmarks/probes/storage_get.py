@@ -6,7 +6,7 @@ all (as 16 ranged halves of 32 MiB, so 16 requests can be in flight) at concurre
 aiohttp loop signing its GETs with botocore. Prints a markdown table of median MB/s
 (min-max over the trials) and the ratio storage / bare.
 
-Run: ``python benchmarks/storage_get.py [--objects 8] [--mib 64] [--trials 3]``.
+Run: ``python benchmarks/probes/storage_get.py [--objects 8] [--mib 64] [--trials 3]``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
+import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # limits.py
 
 import limits
 
@@ -65,10 +68,6 @@ async def _seed(store: ObjectStore, bucket: str, objects: int, size: int) -> lis
     return keys
 
 
-def _cell(rates: list[float]) -> str:
-    return f"{statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"
-
-
 async def _main(args: argparse.Namespace) -> None:
     size = args.mib << 20
     with ObjectStore(volume_size_limit_mb=max(256, args.mib * 4)) as store:
@@ -83,7 +82,8 @@ async def _main(args: argparse.Namespace) -> None:
             f"as {len(parts)} ranged GETs of {half >> 20} MiB; {args.trials} trials; "
             f"SeaweedFS pid {store.pid}\n"
         )
-        print("| concurrency | storage layer MB/s | bare aiohttp MB/s | ratio |")
+        print(f"{limits.versions('asynccache', 'aiohttp')}; {limits.machine()}")
+        print("| concurrency | storage layer MB/s | bare aiohttp MB/s | storage / bare |")
         print("|---:|---:|---:|---:|")
         for c in args.concurrency:
             layer: list[float] = []
@@ -93,8 +93,11 @@ async def _main(args: argparse.Namespace) -> None:
                 runs = [(_storage_trial, layer), (_bare_trial, bare)]
                 for fn, out in runs if trial % 2 == 0 else runs[::-1]:
                     out.append(total_mb / await fn(store, bucket, parts, c))
-            ratio = statistics.median(layer) / statistics.median(bare)
-            print(f"| {c} | {_cell(layer)} | {_cell(bare)} | {ratio:.2f} |", flush=True)
+            ratios = [a / b for a, b in zip(layer, bare, strict=True)]
+            print(
+                f"| {c} | {limits.cell(layer)} | {limits.cell(bare)} | {limits.cell(ratios, '.2f')} |",
+                flush=True,
+            )
 
 
 def main() -> None:
