@@ -207,6 +207,7 @@ def _class_name(cls: type) -> str:
 _SCALARS: dict[str, Any] = {"i": int, "s": str, "f": float, "b": bool, "I": int}
 
 _PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"})
+_DTYPES: dict[str, np.dtype] = {}  # dtype strings of array leaves, parsed once
 
 
 def encode(
@@ -284,10 +285,12 @@ def decode(buf: Any, start: int, end: int, *, where: str, allow_pickle: bool = F
             strict_map_key=False,
         )
         spans = []
-        for off, n, *codec in offsets:
-            if off < 0 or n < 0 or off + n > end - start:
+        size = end - start
+        for entry in offsets:
+            off, n = entry[0], entry[1]
+            if off < 0 or n < 0 or off + n > size:
                 raise DataError(f"{where}: buffer [{off}, {off + n}) lies outside the item")
-            spans.append((start + off, n, *codec))
+            spans.append((start + off, n) if len(entry) == 2 else (start + off, n, *entry[2:]))
     except DataError:
         raise
     except Exception as exc:
@@ -322,8 +325,12 @@ class _Decoder:
             return self.ndarray(n[1], n[2], n[3])
         if tag == "t":
             return self.tensor(n[1], n[2], n[3])
-        if tag == "d":
-            return {self.node(k): self.node(v) for k, v in zip(n[1], n[2], strict=True)}
+        if tag == "d":  # (str keys, the most frequent, without a call)
+            node = self.node
+            return {
+                (k[1] if k[0] == "s" and type(k[1]) is str else node(k)): node(v)
+                for k, v in zip(n[1], n[2], strict=True)
+            }
         if tag == "n":
             return None
         if tag == "y":
@@ -405,16 +412,22 @@ class _Decoder:
         return bytearray(data), 0, raw_size
 
     def _span(self, idx: int, itemsize: int, shape: list[int]) -> tuple[Any, int, int]:
-        buf, off, size = self.raw(idx)
+        span = self.spans[idx]
+        buf, off, size = (self.buf, *span) if len(span) == 2 else self.raw(idx)
         count = math.prod(shape)
         if count * itemsize != size:
             raise DataError(f"{self.where}: buffer of {size} bytes doesn't hold shape {shape}")
         return buf, off, count
 
     def ndarray(self, dtype: str, shape: list[int], idx: int) -> np.ndarray:
-        dt = np.dtype(dtype)
+        dt = _DTYPES.get(dtype)
+        if dt is None:
+            dt = np.dtype(dtype)
+            if len(_DTYPES) < 256:
+                _DTYPES[dtype] = dt
         buf, off, count = self._span(idx, dt.itemsize, shape)
-        return np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=off)
+        return arr if len(shape) == 1 else arr.reshape(shape)
 
     def tensor(self, dtype: str, shape: list[int], idx: int) -> Any:
         import torch
