@@ -165,9 +165,9 @@ def _parse(buf: Any, count: int, size: int, name: str) -> tuple[np.ndarray, np.n
 class ChunkView:
     """Parsed header of a chunk held in a buffer (an mmap); item ``i`` spans ``span(i)``.
 
-    Reads chunk versions 1 and 2. ``item_checksums`` are a version-2 chunk's per-item
-    ``xxh3_64`` (None for version 1). ``token_dtype`` is the dtype of a token chunk (None
-    for a chunk of items); its tokens are ``tokens`` elements from byte ``token_start``.
+    Reads chunk versions 1 and 2 (``version``); holds no view of ``buf`` (its mapping can
+    be closed). ``token_dtype`` is the dtype of a token chunk (None for a chunk of items);
+    its tokens are ``tokens`` elements from byte ``token_start``.
 
     Raises on construction:
         BadMagicError, UnsupportedVersionError, TruncatedChunkError: naming ``name``.
@@ -204,10 +204,6 @@ class ChunkView:
         self.count = int(count)
         self.version = int(version)
         self._offsets = offsets.astype(np.int64)
-        self.item_checksums: np.ndarray | None = None
-        if version >= 2:
-            at = HEADER_BYTES + 8 * (count + 1)
-            self.item_checksums = np.frombuffer(buf, dtype="<u8", count=count, offset=at)
         self.token_dtype = dtype_of_flags(flags, name)
         self.token_start = int(offsets[0]) if count else size
         self.tokens = 0
@@ -226,3 +222,11 @@ class ChunkView:
     def span(self, i: int) -> tuple[int, int]:
         """``(start, end)`` byte offsets of item ``i``."""
         return int(self._offsets[i]), int(self._offsets[i + 1])
+
+    def item_checksums(self, buf: Any) -> np.ndarray | None:
+        """The item checksums of this version-2 chunk held in ``buf`` (a read-only view of
+        it), or None for version 1."""
+        if self.version < 2:
+            return None
+        at = HEADER_BYTES + 8 * (self.count + 1)
+        return np.frombuffer(buf, dtype="<u8", count=self.count, offset=at)
