@@ -122,7 +122,8 @@ class Leaf:
         return n
 
 
-# A form's tree: ("leaf", index) | ("dict", keys, children) | ("list", children).
+# A form's tree: ("leaf", index) | ("dict", keys, children) | ("list", children, tag):
+# tag "l" a list, "u" a tuple (default_collate makes a list of either; decoding keeps it).
 Tree = tuple[Any, ...]
 
 
@@ -211,7 +212,7 @@ def _walk(
         return None if children is None else ("dict", tuple(keys), children)
     if tag in ("l", "u"):
         children = _walk_all(node[1], buffers, leaves, where, objects)
-        return None if children is None else ("list", children)
+        return None if children is None else ("list", children, tag)
     return None
 
 
@@ -471,6 +472,51 @@ class ChunkForms:
         if isinstance(buf, (bytes, mmap.mmap)):
             return [buf[o : o + n] for o, n in pairs]
         return [self.u8[o : o + n].tobytes() for o, n in pairs]
+
+    def items(self, positions: np.ndarray) -> list[Any] | None:
+        """Items ``positions``, as :func:`asynccache.format.items.decode` returns them one
+        by one (arrays are read-only views of the chunk), built from the forms' tables
+        with no header parsed per item; None unless they share a form of no tensor leaf
+        (the caller decodes them one by one)."""
+        form = self.form_of(positions)
+        if form is None or any(leaf.kind == "t" for leaf in form.leaves):
+            return None
+        cols: list[list[Any]] = []
+        for i, leaf in enumerate(form.leaves):
+            if leaf.kind in OBJECT_KINDS:
+                cols.append(self.objects(form, positions, i))
+                continue
+            data = self.leaf_data(form, positions, i)
+            if leaf.kind == "a":
+                dt, shape, n, u8 = np.dtype(leaf.dtype), leaf.shape, leaf.nbytes, self.u8
+                if len(shape) == 1:
+                    cols.append([u8[o : o + n].view(dt) for o in data.tolist()])
+                else:
+                    cols.append([u8[o : o + n].view(dt).reshape(shape) for o in data.tolist()])
+            elif leaf.kind == "g":
+                cols.append(list(data))  # numpy scalars
+            else:
+                cols.append(data.tolist())  # int / float / bool
+        tree = form.tree
+        if tree[0] == "leaf":
+            return cols[0]
+        if tree[0] == "dict" and all(c[0] == "leaf" for c in tree[2]):
+            keys = tree[1]
+            order = [c[1] for c in tree[2]]
+            if order != list(range(len(order))):
+                cols = [cols[k] for k in order]
+            return [dict(zip(keys, row, strict=True)) for row in zip(*cols, strict=True)]
+        return [_make(tree, row) for row in zip(*cols, strict=True)]
+
+
+def _make(node: Tree, row: tuple[Any, ...]) -> Any:
+    """One item of form tree ``node`` from its leaves' values ``row``."""
+    if node[0] == "leaf":
+        return row[node[1]]
+    if node[0] == "dict":
+        return {k: _make(c, row) for k, c in zip(node[1], node[2], strict=True)}
+    values = [_make(c, row) for c in node[1]]
+    return tuple(values) if node[2] == "u" else values
 
 
 def _strings(u8: np.ndarray, spans: np.ndarray) -> list[str]:
