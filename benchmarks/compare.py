@@ -648,7 +648,10 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     opener = OPENERS[lib.name]
     cache = s.cache(f"{lib.name}-{rep}")
     cold, loader = timed(s, lambda: opener(s, cache, False, rep), label=f"{lib.name} cold {rep}")
+    counted = batch_counts(loader) if lib.name == "asynccache" else None
     warm, _ = timed(s, lambda loader=loader: loader, label=f"{lib.name} warm {rep}")
+    if counted is not None and s.shape is not None:  # the warm epoch's batches
+        lib.path = batch_path(counted, batch_counts(loader))
     del loader, _
     forget(lib.name)
     shutil.rmtree(cache, ignore_errors=True)
@@ -659,8 +662,6 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     if s.shape is not None:  # the matrix: the shuffled epoch warm too
         warm_sh, _ = timed(s, lambda loader=loader: loader, label=f"{lib.name} shuffled warm")
         lib.shuffled_warm.append(warm_sh)
-        if lib.name == "asynccache":
-            lib.path = batch_path(loader)
         del _
     del loader
     forget(lib.name)
@@ -679,15 +680,23 @@ def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
             print(f"    {name} GETs: {gets_line(e.gets)}", flush=True)
 
 
-def batch_path(loader: Any) -> str:
-    """How asynccache's workers made the batches: whole ("batch"), per item, or both."""
+def batch_counts(loader: Any) -> tuple[int, int]:
+    """asynccache's batches so far: assembled whole, and collated from items."""
     try:
         stats = loader.dataset.batch_stats()
     except (AttributeError, TypeError):
-        return "?"
-    if stats["assembled"] and stats["collated"]:
-        return "batch + per-item"
-    return "batch" if stats["assembled"] else "per-item"
+        return (0, 0)
+    return stats["assembled"], stats["collated"]
+
+
+def batch_path(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """How the batches between two :func:`batch_counts` were made: whole ("batch"),
+    collated from items ("per-item": a transform or collate_fn, or leaves with no form),
+    or both."""
+    assembled, collated = after[0] - before[0], after[1] - before[1]
+    if assembled and collated:
+        return f"batch ({assembled}) + per-item ({collated})"
+    return "batch" if assembled else "per-item"
 
 
 def gets_line(g: Gets | None) -> str:

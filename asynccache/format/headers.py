@@ -45,6 +45,7 @@ _STR_LEN[0xA0:0xC0] = 0
 _STR_LEN[[0xD9, 0xDA, 0xDB]] = [1, 2, 4]
 
 _TAKE = 9  # bytes gathered at a slot: a type byte and up to 8 of payload
+TAKE = _TAKE  # columns a row needs past its header
 
 
 @dataclasses.dataclass(frozen=True)
