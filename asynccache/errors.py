@@ -19,6 +19,7 @@ Each class also inherits the builtin a caller would already catch, so
     │   ├── UnsupportedVersionError        written by a format version we can't read
     │   ├── TruncatedChunkError            shorter than its header or index says
     │   ├── ChecksumMismatchError          bytes differ from the index's checksum
+    │   │   └── DatasetRewrittenError      the object changed (size, ETag) since the index was read
     │   ├── BadIndexError                  index.json malformed or inconsistent
     │   │   ├── UnsafePathError            index names a path outside its directory
     │   │   └── CorruptIndexError          index.json bytes differ from its own checksum
@@ -51,6 +52,7 @@ __all__ = [
     "CorruptIndexError",
     "DataError",
     "DatasetExistsError",
+    "DatasetRewrittenError",
     "DiskFullError",
     "InputFailedError",
     "InputTimeoutError",
@@ -152,6 +154,14 @@ class TruncatedChunkError(DataError):
 
 class ChecksumMismatchError(DataError):
     """The file's checksum differs from the one recorded in the index."""
+
+
+class DatasetRewrittenError(ChecksumMismatchError):
+    """A chunk's object changed since this reader opened ``index.json``: its size differs
+    from the index's, its ETag changed between two downloads, it is gone, or (where the
+    ETag is the MD5 of the bytes) its bytes arrived intact and differ from the index. The
+    dataset was rewritten at its URL: not retried; open it again to read the new version.
+    The message names the chunk."""
 
 
 class BadIndexError(DataError):

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import mmap
 import os
@@ -23,15 +24,24 @@ from ..cache.locks import in_thread, try_lock
 from ..cache.plan import Deferred
 from ..cache.store import ChunkStore
 from ..config import Settings
-from ..errors import ChecksumMismatchError, DiskFullError, ObjectNotFoundError, StorageTimeoutError
-from ..storage.base import Storage
+from ..errors import (
+    ChecksumMismatchError,
+    DatasetRewrittenError,
+    DiskFullError,
+    ObjectNotFoundError,
+    RetriesExhaustedError,
+    StorageError,
+    StorageTimeoutError,
+    ThrottleTimeoutError,
+)
+from ..storage.base import ObjectInfo, Storage
 from ..storage.transport import gather_or_cancel
 from .gate import PriorityGate, shared_gate
 from .link import endpoint_of, link_for, part_bytes_for, window_bytes
 from .parts import Span, fetch_range, split_parts
 from .progress import ProgressClock
 from .ranges import RangeCheck, read_range
-from .retry import RetryPolicy
+from .retry import RetryBudget, RetryPolicy
 from .stats import DownloadStats
 from .writeback import flush as flush_writeback
 
@@ -72,6 +82,12 @@ class Downloader:
           may still need a slot (it would share that download's bandwidth: the time to the
           first batch); once all its parts receive bytes, spare slots may prefetch.
         * A chunk becomes visible under its name only complete, size- and checksum-verified.
+        * A download whose bytes don't match the index's checksum is damage (in transit,
+          or where the object is stored) and is downloaded again within the retry budget
+          (``ASYNCCACHE_RETRIES``); it is a rewrite of the dataset
+          (:class:`DatasetRewrittenError`, not retried) only when the object's size
+          differs from the index's, or its ETag changed between two downloads, as a HEAD
+          after each mismatch finds them.
         * With ``early`` (:meth:`ensure`), a caller is answered once its chunk is verified,
           before the publish's fsync: the store holds the chunk for this process's pins
           (:meth:`.ChunkStore.adopt`) while the publish goes on in a worker thread; the
@@ -492,8 +508,10 @@ class Downloader:
         clock = self._clocks.get(spec.name) or ProgressClock(self._all)
         try:
             size = spec.size
+            known: ObjectInfo | None = None
             if size is None:
-                size = (await self.storage.head(spec.name)).size
+                known = await self.storage.head(spec.name)
+                size = known.size
             fetched = False  # counted once its callers could read it
             clock.quiet(self.store.lock_timeout_s)  # another process may be downloading it
             async with self.store.download_lock(spec.name):
@@ -502,9 +520,13 @@ class Downloader:
                     return str(self.store.path(spec.name))  # another process published it
                 if await self._restamped(spec, size):
                     return str(self.store.path(spec.name))  # here from an earlier boot
-                for round_ in (1, 2):
+                spent = self._policy.budget()  # checksum mismatches: faults
+                seen = known  # the object as last found (size, ETag), for telling rewrites
+                first, refilled = True, False
+                while True:
                     clock.quiet(self.store.lock_timeout_s)  # may wait for another evictor
-                    tmp = await self._take_ahead(spec.name, size) if round_ == 1 else None
+                    tmp = await self._take_ahead(spec.name, size) if first else None
+                    first = False
                     if tmp is None:
                         try:
                             tmp = await self.store.reserve(
@@ -517,7 +539,13 @@ class Downloader:
                     clock.resume()
                     self._make_ahead()  # the next chunks' files, while this one downloads
                     try:
-                        hashed = await self._fill(spec.name, size, tmp, spec.checksum)
+                        try:
+                            hashed = await self._fill(spec.name, size, tmp, spec.checksum)
+                        except RetriesExhaustedError as exc:
+                            if not isinstance(exc, ThrottleTimeoutError):
+                                # Short bodies to the end: the object may have shrunk.
+                                await self._changed(spec.name, size, seen, exc)
+                            raise
                         url = self.storage.object_url(spec.name)
                         clock.quiet(self.settings.timeout_s + size / _MIN_VERIFY_BYTES_PER_S)
                         me = asyncio.current_task()
@@ -542,17 +570,32 @@ class Downloader:
                                 self._publishing.discard(me)
                         clock.resume()
                         break
-                    except ChecksumMismatchError:
+                    except DatasetRewrittenError:
                         tmp.discard()
-                        if round_ == 2:
-                            raise
+                        raise
+                    except ChecksumMismatchError as exc:
+                        clock.quiet(self.settings.timeout_s)  # the HEAD below is bounded so
+                        try:
+                            now = await self._changed(spec.name, size, seen, exc)
+                            if now is not None:
+                                await self._stored_as_received(spec.name, tmp, size, now, exc)
+                        finally:
+                            tmp.discard()
+                        seen = now or seen
+                        delay = spent.next_delay(False)
+                        if delay is None:
+                            url = self.storage.object_url(spec.name)
+                            raise _damaged(url, spent, seen, exc) from exc
                         self.stats.retries += 1  # bits can flip in transit: once more
+                        clock.quiet(delay)
+                        await asyncio.sleep(delay)
                     except DiskFullError:
                         # The disk filled during the download (preallocation does not
                         # reserve blocks everywhere): evict, then try once more.
                         tmp.discard()
-                        if round_ == 2:
+                        if refilled:
                             raise
+                        refilled = True
                         await self.store.make_room(size)
                     except BaseException:
                         tmp.discard()
@@ -562,6 +605,55 @@ class Downloader:
             return str(self.store.path(spec.name))
         finally:
             self.stats.finished()
+
+    async def _changed(
+        self, name: str, size: int, seen: ObjectInfo | None, cause: BaseException
+    ) -> ObjectInfo | None:
+        """After a failed download of ``name``: the object as a HEAD finds it now, or None
+        when the HEAD fails (bounded by ``timeout_s``; unknown is not a rewrite).
+
+        Raises:
+            DatasetRewrittenError: the object is gone, its size is not ``size`` (the
+                index's), or its ETag is not the one ``seen`` had; names the chunk.
+        """
+        url = self.storage.object_url(name)
+        try:
+            info = await asyncio.wait_for(self.storage.head(name), self.settings.timeout_s)
+        except ObjectNotFoundError as exc:
+            raise DatasetRewrittenError(f"{url}: {_REWRITTEN}: the object is gone") from exc
+        except (StorageError, TimeoutError):
+            return None
+        if info.size != size:
+            raise DatasetRewrittenError(
+                f"{url}: {_REWRITTEN}: the object is now {info.size} bytes, the index says {size}"
+            ) from cause
+        if seen is not None and seen.etag and info.etag and seen.etag != info.etag:
+            raise DatasetRewrittenError(
+                f"{url}: {_REWRITTEN}: its ETag went from {seen.etag} to {info.etag} between "
+                "two downloads"
+            ) from cause
+        return info
+
+    async def _stored_as_received(
+        self, name: str, tmp: TempFile, size: int, info: ObjectInfo, cause: BaseException
+    ) -> None:
+        """Where the object's ETag is the MD5 of its bytes (S3 and compatible stores,
+        objects not uploaded in parts), tell a rewrite from damage on the way at once: the
+        bytes received in ``tmp`` hashing to that ETag are the stored ones, and they are
+        not what the index describes (fetching them again can't help).
+
+        Raises:
+            DatasetRewrittenError: they are (names the chunk and the ETag).
+        """
+        etag = (info.etag or "").strip('"').lower()
+        if len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag) or tmp.fd is None:
+            return
+        if await in_thread(_md5_of, tmp.fd, size) == etag:
+            raise DatasetRewrittenError(
+                f"{self.storage.object_url(name)}: {_REWRITTEN}: the bytes stored there, "
+                f"received intact (their MD5 is its ETag {info.etag}), are not the ones the "
+                "index describes"
+            ) from cause
 
     async def _restamped(self, spec: ChunkSpec, size: int) -> bool:
         """A published copy of ``spec`` not trusted as it is (stamped in an earlier boot,
@@ -894,7 +986,7 @@ class Downloader:
         # at once, the window's chunks queued their parts behind each other and every
         # slot a part freed went to a later chunk, whose parts then shared the link with
         # the earlier chunk's last ones: the chunks landed together, late (a cold epoch
-        # ran in waves; docs/cache.md, "Where a cold epoch's time goes"). Started ahead
+        # ran in waves; docs/performance.md, "Where a cold epoch's time went"). Started ahead
         # of room for its parts, a chunk holds its lock while they wait, and another
         # process reading it waits too: a chunk one worker needs a few items of came
         # after that worker's own chunks, and the worker it belonged to waited for it.
@@ -1059,24 +1151,39 @@ class _Hashed:
         return self.hasher.hexdigest()
 
 
+_REWRITTEN = (
+    "changed since this reader opened index.json (the dataset was rewritten at this URL; "
+    "open it again to read the new version)"
+)
+
+
+def _damaged(
+    url: str, spent: RetryBudget, seen: ObjectInfo | None, exc: ChecksumMismatchError
+) -> ChecksumMismatchError:
+    """The error once every download in the retry budget differed from the index while
+    the object kept the index's size (and its ETag, as far as one was seen)."""
+    tag = f" and its ETag {seen.etag}" if seen is not None and seen.etag else ""
+    why = str(exc).removeprefix(f"{url}: ")
+    return ChecksumMismatchError(
+        f"{url}: does not match the index.json this reader opened in "
+        f"{spent.failures} downloads in a row ({why}); it kept the index's size{tag}, so "
+        "it is damaged where it is stored or on every way here, or was rewritten with the "
+        "same size before this reader first fetched it (then open the dataset again)"
+    )
+
+
 def _verify_fd(tmp: TempFile, spec: ChunkSpec, url: str, hashed: _Hashed | None) -> None:
+    """Check the downloaded bytes against the index (a mismatch may be damage in transit:
+    the caller decides, see :meth:`Downloader._changed`)."""
     assert tmp.fd is not None
     actual_size = os.fstat(tmp.fd).st_size
-    # A second mismatch after the retry means the object itself changed: most likely
-    # the dataset was rewritten at this URL after this reader opened its index.json.
-    stale = (
-        "no longer matches the index.json this reader opened (the dataset was likely "
-        "rewritten at this URL since; open it again to read the new version)"
-    )
     if actual_size != tmp.size:
-        raise ChecksumMismatchError(
-            f"{url}: {stale}: got {actual_size} bytes, the index says {tmp.size}"
-        )
+        raise ChecksumMismatchError(f"{url}: got {actual_size} bytes, the index says {tmp.size}")
     if spec.checksum:
         actual = hashed.finish(tmp.fd, tmp.size) if hashed else file_checksum(tmp.fd, tmp.size)
         if actual != spec.checksum.lower():
             raise ChecksumMismatchError(
-                f"{url}: {stale}: xxh3_64 {actual}, the index says {spec.checksum}"
+                f"{url}: xxh3_64 {actual}, the index says {spec.checksum}"
                 f" (would be cached as {tmp.final})"
             )
 
@@ -1113,6 +1220,14 @@ def _verify_and_publish(
         _publish_adopted(tmp, store, spec.name)
     else:
         tmp.publish()
+
+
+def _md5_of(fd: int, size: int) -> str:
+    """The hex MD5 of the first ``size`` bytes of ``fd`` (an ETag to compare with)."""
+    h = hashlib.md5(usedforsecurity=False)
+    for pos in range(0, size, _HASH_BLOCK):
+        h.update(os.pread(fd, min(_HASH_BLOCK, size - pos), pos))
+    return h.hexdigest()
 
 
 def _matches(checksum: str, fd: int, size: int) -> bool:

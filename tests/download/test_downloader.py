@@ -148,12 +148,12 @@ def test_stall_is_a_timeout_then_retried(tmp_path, lt) -> None:
     assert len(storage.reads) == 2
 
 
-def test_checksum_mismatch_is_retried_once_then_raised(tmp_path, lt) -> None:
+def test_checksum_mismatch_is_retried_within_the_budget_then_raised(tmp_path, lt) -> None:
     storage, store, dl = _make(tmp_path, lt, _objects(1, 1000))
     with pytest.raises(ChecksumMismatchError) as info:
         dl.ensure("c0.bin", 1000, "0" * 16).result(10)
-    assert "mem://test/c0.bin" in str(info.value)
-    assert len(storage.reads) == 2 and _files(store) == []
+    assert "mem://test/c0.bin" in str(info.value) and "4 downloads" in str(info.value)
+    assert len(storage.reads) == 3 + 1 and _files(store) == []  # retries=3
 
 
 def test_local_storage_is_read_in_place(tmp_path, lt) -> None:

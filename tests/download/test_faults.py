@@ -11,7 +11,12 @@ from dl_support import make_chunks
 from asynccache.cache import ChunkStore
 from asynccache.config import Settings
 from asynccache.download import Downloader
-from asynccache.errors import ChecksumMismatchError, ObjectNotFoundError, RetriesExhaustedError
+from asynccache.errors import (
+    ChecksumMismatchError,
+    DatasetRewrittenError,
+    ObjectNotFoundError,
+    RetriesExhaustedError,
+)
 from asynccache.storage import open_storage
 from asynccache.testing.faults import Fault, FaultProxy
 
@@ -132,10 +137,12 @@ def test_corruption_every_time_is_a_checksum_error(tmp_path, lt, origin) -> None
     server, chunks = origin
     with FaultProxy(server.url) as proxy:
         proxy.add_fault(Fault("flip", times=100, flip_at=7))
-        with pytest.raises(ChecksumMismatchError, match=r"chunk-0-1\.bin"):
-            _fetch(tmp_path, lt, proxy.url, chunks, name="chunk-0-1.bin")
-        assert proxy.count("GET") == 2  # retried once only
-        assert proxy.fired("flip") == 2
+        with pytest.raises(ChecksumMismatchError, match=r"chunk-0-1\.bin") as info:
+            _fetch(tmp_path, lt, proxy.url, chunks, name="chunk-0-1.bin", retries=2)
+        assert not isinstance(info.value, DatasetRewrittenError)  # size, ETag unchanged
+        assert "3 downloads in a row" in str(info.value)
+        assert proxy.count("GET") == 3  # the retry budget: retries=2
+        assert proxy.fired("flip") == 3
 
 
 def test_missing_object_is_not_retried(tmp_path, lt, origin) -> None:

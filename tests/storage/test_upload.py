@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from asynccache.config import Settings
-from asynccache.errors import ChecksumMismatchError, ConfigError, StorageError
+from asynccache.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    DatasetRewrittenError,
+    StorageError,
+)
 from asynccache.format import ChunkEntry, Index, checksum
 from asynccache.storage import LocalStorage, open_storage
 from asynccache.testing import ObjectStore
@@ -238,8 +243,8 @@ def test_rewritten_dataset_reuploaded_reads_new_values(
         except ChecksumMismatchError as exc:
             message = str(exc)
             assert message.startswith(f"{url}/chunk-0-")
-            assert "no longer matches the index.json this reader opened" in message
-            assert "likely rewritten" in message
+            assert "changed since this reader opened index.json" in message
+            assert "rewritten" in message and isinstance(exc, DatasetRewrittenError)
             break
     else:
         pytest.fail("the reader of v1 read every item although v2 replaced its chunks")
