@@ -372,7 +372,7 @@ class ChunkForms:
         rows = np.zeros((m, first + headers.TAKE), np.uint8)
         for j, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
             want = min(first, b - a)
-            if os.preadv(self.fd, [memoryview(rows[j, :want])], a) != want:
+            if os.preadv(self.fd, [rows[j, :want].data], a) != want:
                 raise TruncatedChunkError(f"{self.path}: the file ends inside an item header")
         sizes = ends - starts
         hlen = np.ascontiguousarray(rows[:, :4]).view("<u4").reshape(m).astype(np.int64)
@@ -383,7 +383,7 @@ class ChunkForms:
             wide[:, : rows.shape[1]] = rows
             for j in longer.tolist():
                 a, n = int(starts[j]), int(lens[j]) + 4
-                if os.preadv(self.fd, [memoryview(wide[j, :n])], a) != n:
+                if os.preadv(self.fd, [wide[j, :n].data], a) != n:
                     raise TruncatedChunkError(f"{self.path}: the file ends inside an item header")
             rows = wide
         return rows[:, 4:], lens
