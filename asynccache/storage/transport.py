@@ -1,8 +1,10 @@
 """Shared aiohttp plumbing for the HTTP and S3 backends.
 
-Invariant: one pooled :class:`aiohttp.ClientSession` per backend object, created lazily
+Invariants: one pooled :class:`aiohttp.ClientSession` per backend object, created lazily
 on the first event loop that uses it and closed by :meth:`SessionHolder.close`; using the
-backend from another loop is an error rather than a silent second pool.
+backend from another loop is an error rather than a silent second pool. Redirects are
+followed in one place, :func:`send_following`, which sends credentials to the request's
+own origin (scheme, host, port) only; the session keeps no cookies.
 """
 
 from __future__ import annotations
@@ -201,6 +203,10 @@ class SessionHolder:
             timeout=self._timeout,
             auto_decompress=False,
             raise_for_status=False,
+            # Cookies a server sets are not kept: a jar sends them to any port of the
+            # host (cookies ignore ports), past send_following's origin rule. A cookie
+            # the user needs goes in storage_options' headers, for its origin only.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._loop = loop
         return self._session

@@ -271,3 +271,45 @@ async def test_hub_token_stays_home(hub, recorder) -> None:
     assert recorder.seen
     recorder.assert_no_credential()
     assert not any(hub.token in repr(list(h.items())) for h in recorder.seen)
+
+
+# -- cookies: never kept from answers ------------------------------------------------------
+
+
+@pytest.fixture
+def cookie_origin(recorder) -> Iterator[str]:
+    """An origin that sets a session cookie on every answer and redirects ``/moved/*``
+    to the recorder: another port of the same host, reached by the same name."""
+    port = recorder.url.rsplit(":", 1)[1]
+
+    async def make_app() -> web.Application:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.path.startswith("/moved/"):
+                resp: web.StreamResponse = web.Response(
+                    status=307, headers={"Location": f"http://localhost:{port}{request.path}"}
+                )
+            else:
+                resp = web.Response(body=DATA)
+            resp.set_cookie("sid", "cookie-" + "c" * 24)
+            return resp
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    server = ServerThread(make_app, name="test-cookie-origin")
+    server.start()
+    yield "http://localhost:" + server.url.rsplit(":", 1)[1]
+    server.close()
+
+
+async def test_cookies_an_origin_sets_go_nowhere(cookie_origin, recorder) -> None:
+    storage = open_storage(cookie_origin, Settings(timeout_s=5.0))
+    try:
+        assert await storage.read(NAME, 0, 100) == DATA[:100]  # an answer with a cookie
+        assert await storage.read(f"moved/{NAME}", 10, 20) == DATA[10:20]
+    finally:
+        await storage.close()
+    assert len(recorder.seen) == 1
+    recorder.assert_no_credential()
+    assert "cookie-" not in repr(list(recorder.seen[0].items()))
