@@ -197,3 +197,35 @@ def test_a_chunk_throttled_past_the_patience_is_a_clear_error(served, tmp_path) 
         message = str(info.value)
         assert f"{proxy.url}/{name}" in message and "patience of 1s" in message
         assert proxy.fired("slowdown") > settings.retries + 1
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "value"),
+    [
+        ({"ASYNCCACHE_THROTTLE_PATIENCE_S": "7.5"}, "throttle_patience_s", 7.5),
+        ({"ASYNCCACHE_THROTTLE_PATIENCE_S": "0"}, "throttle_patience_s", 0.0),
+        ({"ASYNCCACHE_MAX_INDEX_BYTES": "2MiB"}, "max_index_bytes", 2 << 20),
+        ({}, "throttle_patience_s", 120.0),
+        ({}, "max_index_bytes", 64 << 20),
+    ],
+)
+def test_the_new_settings_from_the_environment(env, field: str, value) -> None:
+    assert getattr(Settings.from_env(env), field) == value
+    assert RetryPolicy.of(Settings.from_env(env)).throttle_patience_s == (
+        Settings.from_env(env).throttle_patience_s
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("ASYNCCACHE_THROTTLE_PATIENCE_S", "-1"),
+        ("ASYNCCACHE_THROTTLE_PATIENCE_S", "inf"),
+        ("ASYNCCACHE_THROTTLE_PATIENCE_S", "soon"),
+        ("ASYNCCACHE_MAX_INDEX_BYTES", "0"),
+        ("ASYNCCACHE_MAX_INDEX_BYTES", "lots"),
+    ],
+)
+def test_bad_values_fail_fast_naming_the_variable(name: str, raw: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        Settings.from_env({name: raw})
