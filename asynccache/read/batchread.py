@@ -77,6 +77,7 @@ _FILE_HEADER = 512  # bytes read first from the file for each large item's heade
 _GATHER_BYTES = 32 << 20  # header bytes gathered at once, at most
 _NEW_TEMPLATES = 8  # templates cut per ask; items none of them reads have no form
 _KEEP_TEMPLATES = 16  # templates a FormCache keeps (the most recently useful)
+_KEEP_BYTES = 32 << 20  # forms a FormCache keeps past their mappings (their tables' bytes)
 # torch dtype names of tensor leaves this module copies, and their numpy twins (for size).
 _TORCH = {
     "bool": "?",
@@ -250,37 +251,58 @@ class _Known:
 
 
 class FormCache:
-    """The forms of one dataset's mapped chunks (at most ``max_chunks``, least recently
-    used first out), and the header templates learned from them, for every later chunk.
+    """The forms of one dataset's mapped chunks (at most ``max_chunks`` held with their
+    mappings, least recently used first out), and the header templates learned from
+    them, for every later chunk.
 
     Args:
-        max_chunks: chunks whose forms are kept (each holds its chunk's mapping).
+        max_chunks: chunks whose forms are kept with their mapping.
         objects: str and bytes leaves are part of a form (the caller carries the lists
             :func:`assemble_into` returns to the consumer); else their items have none.
 
-    Invariant: a chunk's forms are used only with the mapping they were learned from;
-    templates hold no mapping and survive :meth:`clear` and pickling (a DataLoader
-    worker starts with those its parent learned).
+    Invariant: a chunk's forms are used only with a mapping of the file they were learned
+    from (the same device, inode, modification time and size: a chunk published again is
+    another file). Forms let go with their mapping (:meth:`clear`, or past
+    ``max_chunks``) are kept without it, up to ``_KEEP_BYTES`` of tables, and taken up
+    again by the next mapping of the same file (the next epoch reads no header again).
+    Templates hold no mapping and survive :meth:`clear` and pickling (a DataLoader worker
+    starts with those its parent learned); forms are not pickled.
     """
 
     def __init__(self, max_chunks: int, *, objects: bool = False) -> None:
         self.max_chunks, self.objects = max_chunks, objects
         self.known: list[_Known] = []
         self._chunks: collections.OrderedDict[int, ChunkForms] = collections.OrderedDict()
+        self._kept: collections.OrderedDict[int, ChunkForms] = collections.OrderedDict()
 
     def get(self, chunk: int, buf: Any, offsets: np.ndarray) -> ChunkForms:
         """The forms of ``chunk``, mapped as ``buf`` with item offsets ``offsets``."""
         cf = self._chunks.get(chunk)
         if cf is None or cf.buf is not buf:
-            cf = self._chunks[chunk] = ChunkForms(buf, offsets, cache=self)
+            kept = cf if cf is not None else self._kept.pop(chunk, None)
+            if kept is not None and kept.attach(buf, offsets):
+                cf = kept
+            else:
+                cf = ChunkForms(buf, offsets, cache=self)
+            self._chunks[chunk] = cf
             while len(self._chunks) > self.max_chunks:
-                self._chunks.popitem(last=False)
+                self._keep(*self._chunks.popitem(last=False))
         self._chunks.move_to_end(chunk)
         return cf
 
     def clear(self) -> None:
-        """Drop every chunk's forms (and so their mappings); keep the templates."""
-        self._chunks.clear()
+        """Let go of every chunk's mapping (their forms are kept without it); keep the
+        templates."""
+        while self._chunks:
+            self._keep(*self._chunks.popitem(last=False))
+
+    def _keep(self, chunk: int, cf: ChunkForms) -> None:
+        if cf.detach():
+            self._kept[chunk] = cf
+            self._kept.move_to_end(chunk)
+        held = sum(x.nbytes for x in self._kept.values())
+        while self._kept and held > _KEEP_BYTES:
+            held -= self._kept.popitem(last=False)[1].nbytes
 
     def _used(self, known: _Known) -> None:
         """``known`` read some items: first in line for the next chunk."""
@@ -294,6 +316,7 @@ class FormCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_chunks"] = collections.OrderedDict()  # a process's own mappings
+        state["_kept"] = collections.OrderedDict()  # (tables of every chunk: not shipped)
         return state
 
 
@@ -308,21 +331,11 @@ class ChunkForms:
     """
 
     def __init__(self, buf: Any, offsets: np.ndarray, cache: FormCache | None = None) -> None:
-        self.buf = buf
-        self.u8 = np.frombuffer(buf, np.uint8)
         self.offsets = np.asarray(offsets, np.int64)
         n = len(offsets) - 1
         self.cache = cache if cache is not None else FormCache(1)
-        # The chunk's open file, when ``buf`` carries one: large rows are read from it.
-        self.fd: int | None = getattr(buf, "fd", None)
-        self.path: str = getattr(buf, "path", "chunk")
-        # Drop the pages read to learn headers, when the rows will come from the file.
-        self._drop = (
-            self.fd is not None
-            and n > 0
-            and int(offsets[-1] - offsets[0]) >= _LARGE_ROW * n
-            and hasattr(buf, "madvise")
-        )
+        self._bind(buf)
+        self.file = self._file()  # (None: not kept past its mapping)
         self.form_id = np.full(n, -2, np.int64)  # -2 not read yet, -1 no form
         self.forms: list[Form] = []
         self._index: dict[Form, int] = {}
@@ -334,6 +347,57 @@ class ChunkForms:
         # Equal-size items: their rows are rows of a strided view of the chunk.
         self.item_size = int(sizes[0]) if n > 1 and bool(np.all(sizes == sizes[0])) else 0
         self._asked = False
+
+    def _bind(self, buf: Any) -> None:
+        self.buf = buf
+        self.u8 = np.frombuffer(buf, np.uint8)
+        n = len(self.offsets) - 1
+        # The chunk's open file, when ``buf`` carries one: large rows are read from it.
+        self.fd: int | None = getattr(buf, "fd", None)
+        self.path: str = getattr(buf, "path", "chunk")
+        # Large items: their rows, headers and bytes come from the file, not the mapping.
+        self._drop = (
+            self.fd is not None
+            and n > 0
+            and int(self.offsets[-1] - self.offsets[0]) >= _LARGE_ROW * n
+            and hasattr(buf, "madvise")
+        )
+
+    def _file(self) -> tuple[int, ...] | None:
+        """What identifies the file mapped: device, inode, modification time, size."""
+        if self.fd is None:
+            return None
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the forms' tables."""
+        return self.form_id.nbytes + sum(t.nbytes for ts in self.tables for t in ts)
+
+    def detach(self) -> bool:
+        """Let go of the mapping, keeping the forms learned; False: they can't be kept
+        (no file to know the chunk again by)."""
+        self.buf, self.u8, self.fd = None, np.zeros(0, np.uint8), None
+        return self.file is not None
+
+    def attach(self, buf: Any, offsets: np.ndarray) -> bool:
+        """Take up ``buf``, a new mapping of this chunk, keeping the forms learned; False
+        (nothing changed) when it maps another file or another offsets table."""
+        fd = getattr(buf, "fd", None)
+        try:
+            st = os.fstat(fd) if fd is not None else None
+        except OSError:
+            st = None
+        if st is None or self.file != (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size):
+            return False
+        if not np.array_equal(np.asarray(offsets, np.int64), self.offsets):
+            return False
+        self._bind(buf)
+        return True
 
     def _learn(self, positions: np.ndarray) -> None:
         if not len(positions) or bool(np.all(self.form_id[positions] != -2)):

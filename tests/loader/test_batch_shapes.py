@@ -363,6 +363,34 @@ def test_learning_a_chunk_reads_each_header_once(tmp_path, monkeypatch):
     same(batch_path(FormCache(1), chunks, picks), per_item(chunks, picks))
 
 
+def test_the_next_mapping_of_a_chunk_reads_no_header(tmp_path, monkeypatch):
+    """A chunk's forms outlive its mapping (the next epoch maps it again): the new mapping
+    of the same file takes them up, reading no header; a chunk published again (another
+    file at the path) is read anew."""
+    from asynccache.read import batchread
+
+    path = tmp_path / "c.bin"
+    items = [{"x": np.full(4, i, np.int16), "id": f"n{i}"} for i in range(40)]
+    cache = FormCache(1, objects=True)
+    first = write_chunk(path, items)
+    cf = cache.get(0, first, offsets_of(first))
+    assert cf.form_of(np.arange(8)) is not None and cf.form_of(np.arange(8, 40)) is not None
+    cache.clear()  # the epoch ends: the mapping goes
+    assert cf.buf is None
+    reads: list[Any] = []
+    real = batchread.headers.gather
+    monkeypatch.setattr(batchread.headers, "gather", lambda *a: reads.append(a) or real(*a))
+    again = ChunkMap.open(str(path), os.path.getsize(path))
+    picks = [(0, p) for p in range(3, 40, 4)]
+    chunks = [(again, offsets_of(again))]
+    same(batch_path(cache, chunks, picks), per_item(chunks, picks))
+    assert cache.get(0, *chunks[0]) is cf and not reads
+    cache.clear()
+    os.unlink(path)  # published again: the same bytes in a new file
+    renewed = write_chunk(path, items)
+    assert cache.get(0, renewed, offsets_of(renewed)) is not cf
+
+
 # -- the benchmark's shapes through the loader -------------------------------------------------
 N = 75  # items: 5 chunks of 16 (the last short), batches of 8 (the last short)
 CHUNK = 16
