@@ -22,17 +22,54 @@ How the slots are dealt (all a pure function of the counts, ``seed`` and ``epoch
 * ``stratified``: every batch holds ``c_s`` samples of stream ``s`` (the batch size
   apportioned by the streams' counts, largest remainder), stream 0's first, then
   stream 1's, and so on.
+
+Schedules (:class:`Schedule`, :class:`ScheduledMix`): the weights change with the
+consumer's *step* (:mod:`.steps`: one batch of one data-parallel rank, counted across
+epochs). A step's slots are where the rank split puts them, so the deal follows the
+:class:`~.steps.Layout` (DP size ``W``, ``b`` slots a step, the split's and the consumer's
+``drop_last``): with ``M`` slots, ``n`` of them a rank and ``B`` steps an epoch, rank ``r``
+reads slots ``[r n, (r+1) n)`` and its batch ``t`` is slots ``[r n + t b, r n + (t+1) b)``,
+which take the weights of global step ``e B + t`` in epoch ``e``. (Slots of no delivered
+step, a short last batch the consumer drops or the tail the split drops, take the weights
+of the epoch's last step; they are never read.) Within each rank block, the slots of
+consecutive steps of equal weights form a *piece*; a piece of ``L`` slots gives stream
+``s`` exactly its largest-remainder share of ``L`` by the weights (``stratified``: of each
+batch of the piece; a stream of weight 0 gets none) and is dealt inside as an unscheduled
+mix of those counts, seeded by ``(seed, epoch, piece)``. The ``k``-th sample of stream
+``s`` over the pieces in slot order still reads position ``k`` of its own order: a
+contiguous range of slots is still a contiguous range of each stream's order, and each
+rank's batches at step ``S`` hold the weights of step ``S`` exactly, up to the rounding of
+one piece. The epoch's total is the unscheduled one (the weighted streams' lengths summed,
+or ``epoch_size``); how much each stream gives an epoch follows from the weights. An epoch
+keeps the layout it started with when it is resumed with another world size or batch size,
+so the resumed rest reads exactly what was left; the steps of that rest then meet the
+weights of the old layout's steps.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MODES", "MixOrder", "Share", "apportion", "stream_counts"]
+from .steps import Layout
+
+__all__ = [
+    "MODES",
+    "MixOrder",
+    "Schedule",
+    "ScheduledMix",
+    "Share",
+    "apportion",
+    "check_weights",
+    "stream_counts",
+]
 
 MODES = ("random", "per_stream", "stratified")
 _MIX_STREAM = 0x4D49  # rng stream of the mix (not a dataset's own order)
@@ -121,6 +158,8 @@ class MixOrder:
         batch_size: samples per batch (the slot of ``per_stream`` and ``stratified``).
         seed, epoch: the deal is a pure function of these and the counts.
         block: slots per block when dealing (``random``, ``per_stream``).
+        salt: more words of the deal's seed (a scheduled mix deals each of its pieces
+            as a mix of its own, :class:`ScheduledMix`).
     """
 
     def __init__(
@@ -132,6 +171,7 @@ class MixOrder:
         seed: int,
         epoch: int,
         block: int = 1024,
+        salt: Sequence[int] = (),
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mix mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -141,6 +181,7 @@ class MixOrder:
         self.streams = len(counts)
         self.unit = 1 if mode == "random" else batch_size  # samples per slot
         self.block = max(1, block)
+        self._salt = [int(x) for x in salt]
         self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
         if mode == "stratified":
             total = sum(counts)
@@ -189,7 +230,9 @@ class MixOrder:
             return self._cache[1], self._cache[2]
         lo, hi = self._ticks(k * self.block), self._ticks((k + 1) * self.block)
         seq = np.repeat(np.arange(self.streams, dtype=np.int64), hi - lo)
-        rng = np.random.default_rng([self.seed & (2**63 - 1), self.epoch, _MIX_STREAM, k])
+        rng = np.random.default_rng(
+            [self.seed & (2**63 - 1), self.epoch, _MIX_STREAM, k, *self._salt]
+        )
         seq = seq[rng.permutation(len(seq))]
         rank = np.empty(len(seq), dtype=np.int64)
         for s in range(self.streams):
@@ -248,11 +291,259 @@ class MixOrder:
     ) -> list[list[tuple[int, int]]]:
         """Each stream's ranges of its own order read by ``segments`` of the epoch (slots
         when ``slots``, else samples), in the same order."""
-        out: list[list[tuple[int, int]]] = [[] for _ in range(self.streams)]
-        scale = self.unit if slots else 1
-        for a, b in segments:
-            lo, hi = self.before(a * scale), self.before(b * scale)
-            for s in range(self.streams):
-                if hi[s] > lo[s]:
-                    out[s].append((int(lo[s]), int(hi[s])))
+        return _project(self, segments, slots)
+
+
+def _project(
+    mix: MixOrder | ScheduledMix, segments: Sequence[tuple[int, int]], slots: bool
+) -> list[list[tuple[int, int]]]:
+    """:meth:`MixOrder.project` of either kind of mix (from its ``before``)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(mix.streams)]
+    scale = mix.unit if slots else 1
+    for a, b in segments:
+        lo, hi = mix.before(a * scale), mix.before(b * scale)
+        for s in range(mix.streams):
+            if hi[s] > lo[s]:
+                out[s].append((int(lo[s]), int(hi[s])))
+    return out
+
+
+Weights = tuple[float, ...]
+#: A schedule as given: ``[(step, weights), ...]`` or ``f(epoch, step) -> weights``.
+ScheduleSpec = Sequence[tuple[int, Sequence[float]]] | Callable[[int, int], Sequence[float]]
+
+
+def check_weights(raw: object, streams: int, where: str) -> Weights:
+    """``raw`` as the weights of ``streams`` streams: finite numbers >= 0, one of them > 0.
+
+    Raises:
+        ValueError: anything else (the message names ``where``).
+    """
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
+        raise ValueError(f"{where}: weights must be a list of {streams} numbers, got {raw!r}")
+    if len(raw) != streams:
+        raise ValueError(f"{where}: {len(raw)} weights for {streams} streams")
+    out = []
+    for w in raw:
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
+            raise ValueError(f"{where}: weight {w!r} is not a number")
+        if not (math.isfinite(float(w)) and float(w) >= 0):
+            raise ValueError(f"{where}: weight {w!r} must be finite and >= 0")
+        out.append(float(w))
+    if not sum(out) > 0:
+        raise ValueError(f"{where}: at least one weight must be > 0")
+    return tuple(out)
+
+
+class Schedule:
+    """The weights of a mix's streams by global step (see "Schedules" above).
+
+    Args:
+        spec: ``[(step, weights), ...]``, steps strictly increasing from 0: the weights
+            of the last entry at or before a step hold at that step; or a callable
+            ``f(epoch, step) -> weights``, called for every step of an epoch when the
+            epoch's mix is built (it must be a pure function of its arguments).
+        streams: the number of streams (each ``weights`` has one per stream).
+
+    Raises:
+        ValueError: a malformed list (the message says which entry).
+    """
+
+    def __init__(self, spec: ScheduleSpec, streams: int) -> None:
+        self.streams = streams
+        self.fn: Callable[[int, int], Sequence[float]] | None = None
+        self.steps: list[int] = []
+        self.weights_at: list[Weights] = []
+        if callable(spec):
+            self.fn = spec
+            return
+        if not isinstance(spec, Sequence) or isinstance(spec, (str, bytes)) or not spec:
+            raise ValueError("schedule must be a non-empty list of (step, weights) or a callable")
+        for i, entry in enumerate(spec):
+            if not isinstance(entry, Sequence) or len(entry) != 2:
+                raise ValueError(f"schedule[{i}] must be (step, weights), got {entry!r}")
+            step, weights = entry
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+                raise ValueError(f"schedule[{i}]: step must be an integer >= 0, got {step!r}")
+            if i == 0 and step != 0:
+                raise ValueError(f"schedule[0] must be at step 0 (it is at step {step})")
+            if i and step <= self.steps[-1]:
+                raise ValueError(
+                    f"schedule[{i}]: steps must increase ({step} after {self.steps[-1]})"
+                )
+            self.steps.append(int(step))
+            self.weights_at.append(check_weights(weights, streams, f"schedule[{i}]"))
+
+    @property
+    def identity(self) -> list[Any] | str:
+        """What a resume state records of the schedule (a callable: ``"callable"``)."""
+        if self.fn is not None:
+            return "callable"
+        return [[s, list(w)] for s, w in zip(self.steps, self.weights_at, strict=True)]
+
+    def weights(self, epoch: int, step: int) -> Weights:
+        """The weights at global step ``step`` (of epoch ``epoch``)."""
+        if self.fn is not None:
+            return check_weights(self.fn(epoch, step), self.streams, f"schedule({epoch}, {step})")
+        return self.weights_at[bisect.bisect_right(self.steps, step) - 1]
+
+    def pieces(self, epoch: int, first: int, count: int) -> list[tuple[int, int, Weights]]:
+        """Runs ``(t0, t1, weights)`` of equal weights covering steps ``first + [0,
+        count)`` (``count >= 1``), ``t0``/``t1`` relative to ``first``."""
+        out: list[tuple[int, int, Weights]] = []
+        if self.fn is None:
+            lo = bisect.bisect_right(self.steps, first)
+            hi = bisect.bisect_left(self.steps, first + count)
+            cuts = [s - first for s in self.steps[lo:hi]]
+            bounds = [0, *cuts, count]
+            for a, b in itertools.pairwise(bounds):
+                out.append((a, b, self.weights(epoch, first + a)))
+            return out
+        for t in range(count):
+            w = self.weights(epoch, first + t)
+            if out and out[-1][2] == w:
+                out[-1] = (out[-1][0], t + 1, w)
+            else:
+                out.append((t, t + 1, w))
         return out
+
+    def digest(self, epoch: int, first: int, count: int) -> str:
+        """Names the weights of steps ``first + [0, count)`` (what a state of a callable
+        schedule's epoch records, so a resume with other weights is refused)."""
+        raw = repr([(a, b, w) for a, b, w in self.pieces(epoch, first, max(1, count))])
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _split(n: int, weights: Weights) -> list[int]:
+    """``n`` apportioned by ``weights``; a stream of weight 0 gets none."""
+    pos = [i for i, w in enumerate(weights) if w > 0]
+    out = [0] * len(weights)
+    for i, c in zip(pos, apportion(n, [weights[i] for i in pos]), strict=True):
+        out[i] = c
+    return out
+
+
+class ScheduledMix:
+    """Slots of one mixed epoch whose weights follow a :class:`Schedule`; the same queries
+    as :class:`MixOrder` (``slots``, ``total``, ``counts``, ``locate``, ``before``,
+    ``project``). See "Schedules" in the module docstring.
+
+    Args:
+        total: samples of the epoch (``slots * unit``; a unit mode takes whole batches).
+        schedule: the weights by step.
+        layout: the split of the slots into steps (``batch``: slots per step).
+        mode, batch_size, seed, epoch, block: as :class:`MixOrder`.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        schedule: Schedule,
+        layout: Layout,
+        *,
+        mode: str,
+        batch_size: int,
+        seed: int,
+        epoch: int,
+        block: int = 1024,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mix mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.mode, self.seed, self.epoch, self.block = mode, seed, epoch, block
+        self.streams = schedule.streams
+        self.unit = 1 if mode == "random" else batch_size
+        self.slots = total // self.unit
+        self.layout = layout
+        steps = layout.steps(self.slots)
+        n = layout.rank_samples(self.slots)
+        held = max(1, -(-n // layout.batch))  # steps of a rank block holding slots
+        runs = schedule.pieces(epoch, epoch * steps, max(1, min(held, steps)))
+        # Steps past the epoch's last delivered one take its weights (never read).
+        runs[-1] = (runs[-1][0], held, runs[-1][2])
+        starts: list[int] = []
+        counts: list[list[int]] = []
+        blocks = min(layout.world, -(-self.slots // n)) if n else 0  # (those holding slots)
+        for r in [*range(blocks), layout.world]:
+            lo = r * n
+            hi = self.slots if r == layout.world else min(lo + n, self.slots)
+            if lo >= hi:
+                continue
+            block_runs = runs if r < layout.world else [(0, held, runs[-1][2])]
+            for t0, t1, w in block_runs:
+                a = lo + t0 * layout.batch
+                b = hi if t1 >= held or r == layout.world else min(lo + t1 * layout.batch, hi)
+                if a < b:
+                    starts.append(a)
+                    counts.append(self._piece_counts(b - a, w))
+        self._starts = np.asarray([*starts, self.slots], dtype=np.int64)
+        per = np.asarray(counts, dtype=np.int64).reshape(len(starts), self.streams)
+        self._counts = per
+        self._base = np.zeros((len(starts) + 1, self.streams), dtype=np.int64)
+        np.cumsum(per, axis=0, out=self._base[1:])
+        self.counts = [int(c) for c in self._base[-1]]
+        self._orders: dict[int, MixOrder] = {}
+
+    def _piece_counts(self, slots: int, w: Weights) -> list[int]:
+        """Samples of each stream in a piece of ``slots`` slots of weights ``w``."""
+        if self.mode == "stratified":
+            return [c * slots for c in _split(self.unit, w)]
+        return [c * self.unit for c in _split(slots, w)]
+
+    @property
+    def total(self) -> int:
+        """Samples in the epoch (``slots * unit``)."""
+        return self.slots * self.unit
+
+    @property
+    def pieces(self) -> int:
+        return len(self._starts) - 1
+
+    def _piece(self, j: int) -> MixOrder:
+        got = self._orders.get(j)
+        if got is None:
+            if len(self._orders) >= 8:
+                self._orders.pop(next(iter(self._orders)))
+            got = self._orders[j] = MixOrder(
+                self._counts[j].tolist(),
+                mode=self.mode,
+                batch_size=self.unit,
+                seed=self.seed,
+                epoch=self.epoch,
+                block=self.block,
+                salt=(j + 1,),
+            )
+        return got
+
+    def locate(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """For samples ``[start, end)`` of the epoch: each one's stream and its position
+        in that stream's own order."""
+        if not 0 <= start <= end <= self.total:
+            raise IndexError(f"samples [{start}, {end}) outside a mixed epoch of {self.total}")
+        u = self.unit
+        streams = np.empty(end - start, dtype=np.int64)
+        pos = np.empty(end - start, dtype=np.int64)
+        p = start
+        while p < end:
+            j = int(np.searchsorted(self._starts, p // u, side="right")) - 1
+            lo = int(self._starts[j]) * u
+            hi = min(end, int(self._starts[j + 1]) * u)
+            s, k = self._piece(j).locate(p - lo, hi - lo)
+            streams[p - start : hi - start] = s
+            pos[p - start : hi - start] = k + self._base[j][s]
+            p = hi
+        return streams, pos
+
+    def before(self, p: int) -> np.ndarray:
+        """How many samples of each stream the first ``p`` samples of the epoch hold."""
+        if not 0 <= p <= self.total:
+            raise IndexError(f"sample {p} outside a mixed epoch of {self.total}")
+        if p == self.total:
+            return np.asarray(self.counts, dtype=np.int64)
+        j = int(np.searchsorted(self._starts, p // self.unit, side="right")) - 1
+        return self._base[j] + self._piece(j).before(p - int(self._starts[j]) * self.unit)
+
+    def project(
+        self, segments: Sequence[tuple[int, int]], slots: bool = True
+    ) -> list[list[tuple[int, int]]]:
+        """As :meth:`MixOrder.project`."""
+        return _project(self, segments, slots)
