@@ -290,6 +290,46 @@ def test_batches_of_any_shape_are_bit_identical(tmp_path_factory, shape, sizes, 
     assert assembled or not uniform(shape)
 
 
+FUZZED = [
+    ("dict", ("image", "label"), (("array", "|u1", (40,)), ("int", 70_000))),
+    (
+        "dict",
+        ("x", "y", "w", "id"),
+        (("array", "<f4", (4,)), ("int", 200), ("float", 0), ("str", 40)),
+    ),
+    ("tuple", [("str", 8), ("bytes", 16), ("int", 1), ("npscalar", "<f4", ())]),
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    which=st.integers(0, len(FUZZED) - 1),
+    seed=st.integers(0, 2**31),
+    hits=st.lists(st.tuples(st.integers(0, 11), st.floats(0, 1), st.integers(0, 255)), max_size=3),
+)
+def test_corrupt_headers_are_never_misread(tmp_path_factory, which, seed, hits):
+    """Bytes of some item headers changed: an item the batch path still assembles is one
+    decode reads, to the same values; the others are left to the per-item path."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    items = [fill(FUZZED[which], np.random.default_rng(seed + j)) for j in range(12)]
+    good = write_chunk(tmp / "good.bin", items)
+    offsets = offsets_of(good)
+    raw = bytearray(good[:])
+    for p, where, value in hits:
+        a = int(offsets[p])
+        hlen = min(int.from_bytes(raw[a : a + 4], "little"), int(offsets[p + 1]) - a - 4)
+        raw[a + int(where * (4 + hlen - 1))] = value
+    (tmp / "bad.bin").write_bytes(bytes(raw))
+    bad = ChunkMap.open(str(tmp / "bad.bin"), len(raw))
+    chunks = [(bad, offsets)]
+    cache = FormCache(2, objects=True)
+    cache.get(0, *chunks[0]).form_of(np.arange(12))  # every header read at once
+    for p in range(12):
+        got = batch_path(cache, chunks, [(0, p)])
+        if got is not None:
+            same(got, per_item(chunks, [(0, p)]))
+
+
 def test_items_of_different_forms_in_one_chunk(tmp_path):
     """Three forms alternating in a chunk (and headers that no template reads): each batch
     of one form is assembled, a batch mixing them is not."""
