@@ -63,6 +63,7 @@ __all__ = [
     "FormCache",
     "Leaf",
     "assemble_into",
+    "bytes_needed",
     "copy_rows",
     "layout",
 ]
@@ -511,6 +512,7 @@ class ChunkForms:
             col = cols[src[1]][hit]
             if leaf.kind == "s":  # (start in the header, after its length word)
                 table[p, 0], table[p, 1] = start + 4 + col[:, 0], col[:, 1]
+                good &= _utf8_rows(sub, hit, col)  # (else decode refuses the item)
             elif leaf.kind == "g":
                 table[p] = np.ascontiguousarray(col).view(table.dtype).reshape(len(p))
             else:
@@ -573,6 +575,35 @@ class ChunkForms:
             return [buf[o : o + n] for o, n in pairs]
         return [self.u8[o : o + n].tobytes() for o, n in pairs]
 
+    def copy_bytes(
+        self,
+        form: Form,
+        positions: np.ndarray,
+        leaf: int,
+        out: np.ndarray,
+        at: int,
+        spans: np.ndarray,
+        sel: np.ndarray,
+    ) -> int:
+        """The bytes values of leaf ``leaf`` of items ``positions``, copied back to back
+        into ``out`` from byte ``at``; ``spans[sel[j]]`` = (start, length) of item j's.
+        Returns where the next value goes.
+
+        Raises:
+            TruncatedChunkError: the chunk's file ends inside a value.
+        """
+        src = self.leaf_data(form, positions, leaf)
+        for r, (o, n) in zip(sel.tolist(), src.tolist(), strict=True):
+            if self._drop:  # large items: from the file, no page of the chunk mapped here
+                assert self.fd is not None
+                if n and os.preadv(self.fd, [out[at : at + n].data], o) != n:
+                    raise TruncatedChunkError(f"{self.path}: the file ends inside an item's bytes")
+            else:
+                out[at : at + n] = self.u8[o : o + n]
+            spans[r, 0], spans[r, 1] = at, n
+            at += n
+        return at
+
     def items(self, positions: np.ndarray) -> list[Any] | None:
         """Items ``positions``, as :func:`asynccache.format.items.decode` returns them one
         by one (arrays are read-only views of the chunk), built from the forms' tables
@@ -619,26 +650,56 @@ def _make(node: Tree, row: tuple[Any, ...]) -> Any:
     return tuple(values) if node[2] == "u" else values
 
 
+def _joined(u8: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes at ``spans`` (absolute start, length) of ``u8``, gathered back to back,
+    and the NUL-joined run of them (a NUL between two)."""
+    starts, lens = spans[:, 0], spans[:, 1]
+    k, total = len(lens), int(lens.sum())
+    ends = np.cumsum(lens)
+    # Byte j of the run: string r's byte (j - its first), where r is the one j falls in.
+    raw = u8[np.repeat(starts - (ends - lens), lens) + np.arange(total)]
+    joined = np.zeros(total + max(k - 1, 0), np.uint8)
+    joined[np.arange(total) + np.repeat(np.arange(k), lens)] = raw
+    return raw, joined
+
+
+def _utf8(u8: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Which of the strings at ``spans`` of ``u8`` are valid UTF-8 (decode refuses the
+    others: their items are left to it). One decode of all of them, unless one fails."""
+    ok = np.ones(len(spans), bool)
+    if not len(spans):
+        return ok
+    try:  # (a NUL ends any multi-byte sequence: valid joined iff each is valid)
+        _joined(u8, spans)[1].tobytes().decode("utf-8")
+        return ok
+    except UnicodeDecodeError:
+        pass
+    for j, (a, n) in enumerate(spans.tolist()):
+        try:
+            u8[a : a + n].tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            ok[j] = False
+    return ok
+
+
+def _utf8_rows(rows: np.ndarray, hit: np.ndarray, col: np.ndarray) -> np.ndarray:
+    """:func:`_utf8` of strings read with the headers (``rows``, each string at
+    ``col[j]`` = (start in its row, length) of row ``hit[j]``)."""
+    flat = np.ascontiguousarray(rows[hit]).reshape(-1)
+    width = rows.shape[1]
+    spans = np.stack([np.arange(len(hit)) * width + col[:, 0], col[:, 1]], axis=1)
+    return _utf8(flat, spans)
+
+
 def _strings(u8: np.ndarray, spans: np.ndarray) -> list[str]:
     """The UTF-8 strings at ``spans`` (absolute start, length) of ``u8``: one gather and
     one decode for all of them (joined by NUL, split again), unless one holds a NUL."""
-    starts, lens = spans[:, 0], spans[:, 1]
-    k = len(lens)
-    total = int(lens.sum())
-    if not total:
-        return [""] * k
-    ends = np.cumsum(lens)
-    # Byte j of the joined run: string r's byte (j - r - its first), where r is the
-    # string it falls in; a NUL between strings.
-    idx = np.repeat(starts - (ends - lens), lens) + np.arange(total)
-    raw = u8[idx]
+    if not int(spans[:, 1].sum()):
+        return [""] * len(spans)
+    raw, joined = _joined(u8, spans)
     if not raw.all():  # a NUL inside a string: split would cut it
-        return [
-            u8[s : s + n].tobytes().decode("utf-8")
-            for s, n in zip(starts.tolist(), lens.tolist(), strict=True)
-        ]
-    joined = np.zeros(total + k - 1, np.uint8)
-    joined[np.arange(total) + np.repeat(np.arange(k), lens)] = raw
+        pairs = spans.tolist()
+        return [u8[a : a + n].tobytes().decode("utf-8") for a, n in pairs]
     return joined.tobytes().decode("utf-8").split("\0")
 
 
@@ -656,11 +717,20 @@ def assemble_into(
     """Copy the items of ``parts`` into ``out`` (uint8, at least ``layout(form, batch)``
     bytes): each part is ``(chunk forms, positions in the chunk, rows of the batch)``.
 
-    Returns the values of the form's str / bytes leaves, a list of ``batch`` per such
-    leaf in leaf order (for ``batches.wrap``); None when it has none.
+    Returns the values of the form's str / bytes leaves, one entry per such leaf in leaf
+    order (for ``batches.wrap``): a list of ``batch`` values, or, for bytes leaves when
+    ``out`` has :func:`bytes_needed` more bytes past the layout, a ``(batch, 2)`` int64
+    array of where each value was copied in ``out`` (start, length): the consumer makes
+    the ``bytes`` from the buffer it maps, and they never pass through a pipe. None when
+    the form has no str / bytes leaf.
     """
-    regions, _ = form.regions(batch)
-    objects: list[list[Any]] | None = None
+    regions, end = form.regions(batch)
+    objects: list[Any] | None = None
+    tail = None
+    if any(leaf.kind == "y" for leaf in form.leaves) and len(out) - end >= bytes_needed(
+        form, parts
+    ):
+        tail = end
     for i, leaf in enumerate(form.leaves):
         start = regions[i]
         if leaf.kind in ("a", "t"):
@@ -674,6 +744,12 @@ def assemble_into(
         elif leaf.kind in OBJECT_KINDS:
             if objects is None:
                 objects = []
+            if leaf.kind == "y" and tail is not None:
+                spans = np.empty((batch, 2), np.int64)
+                for cf, pos, sel in parts:
+                    tail = cf.copy_bytes(form, pos, i, out, tail, spans, sel)
+                objects.append(spans)
+                continue
             if len(parts) == 1 and np.array_equal(parts[0][2], np.arange(batch)):
                 objects.append(parts[0][0].objects(form, parts[0][1], i))
                 continue
@@ -689,6 +765,17 @@ def assemble_into(
             for cf, pos, sel in parts:
                 vals[sel] = cf.leaf_data(form, pos, i)
     return objects
+
+
+def bytes_needed(form: Form, parts: Sequence[tuple[ChunkForms, np.ndarray, np.ndarray]]) -> int:
+    """Bytes of the values of ``form``'s bytes leaves in the items of ``parts``: what a
+    buffer needs past ``layout(form, batch)`` for :func:`assemble_into` to copy them in."""
+    total = 0
+    for i, leaf in enumerate(form.leaves):
+        if leaf.kind == "y":
+            for cf, pos, _ in parts:
+                total += int(cf.leaf_data(form, pos, i)[:, 1].sum())
+    return total
 
 
 def copy_rows(

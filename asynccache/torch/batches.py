@@ -143,7 +143,7 @@ def _unpickled(
     form: Form,
     n: int,
     storage: Any,
-    objects: list[list[Any]] | None = None,
+    objects: list[Any] | None = None,
 ) -> Any:
     """In the consumer: the batch in slot ``slot`` of worker row ``row``.
 
@@ -257,7 +257,7 @@ class Pool:
         n: int,
         slot: int,
         buf: torch.Tensor,
-        objects: list[list[Any]] | None = None,
+        objects: list[Any] | None = None,
     ) -> Any:
         """The batch of ``n`` rows laid out by ``form`` in slot ``slot``'s buffer ``buf``
         (its str / bytes leaves' lists: ``objects``, as ``assemble_into`` returned them),
@@ -317,17 +317,22 @@ def supported(form: Form, objects: bool = False) -> bool:
     )
 
 
-def wrap(form: Form, buf: torch.Tensor, batch: int, objects: list[list[Any]] | None = None) -> Any:
+def wrap(form: Form, buf: torch.Tensor, batch: int, objects: list[Any] | None = None) -> Any:
     """The batch ``default_collate`` would build, as views of ``buf`` (laid out by
     :meth:`Form.regions` for ``batch`` rows), with ``objects`` (the str / bytes leaves'
-    values, in leaf order) as lists (tuples under a list or tuple, as default_collate
+    values, in leaf order, as ``assemble_into`` returned them: lists, or where bytes
+    were copied into ``buf``) as lists (tuples under a list or tuple, as default_collate
     leaves them there)."""
     regions, _ = form.regions(batch)
     values: list[Any] = []
     spare = iter(objects or ())
     for leaf, start in zip(form.leaves, regions, strict=True):
         if leaf.kind in OBJECT_KINDS:
-            values.append(next(spare))
+            got = next(spare)
+            if isinstance(got, np.ndarray):  # bytes copied into the buffer: (start, length)
+                mem = buf.numpy()
+                got = [mem[a : a + n].tobytes() for a, n in got.tolist()]
+            values.append(got)
             continue
         dt = torch_dtype(leaf.kind, leaf.dtype)
         assert dt is not None

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset, default_collate
 
 from asynccache import CacheDataLoader, StreamingDataset
 from asynccache.format import ChunkView, build, decode, encode
-from asynccache.read.batchread import FormCache, assemble_into
+from asynccache.read.batchread import FormCache, assemble_into, bytes_needed
 from asynccache.read.reader import ChunkMap
 from asynccache.torch import batches
 
@@ -176,10 +176,14 @@ def offsets_of(mm: ChunkMap) -> np.ndarray:
 
 
 def batch_path(
-    cache: FormCache, chunks: list[tuple[ChunkMap, np.ndarray]], picks: list[tuple[int, int]]
+    cache: FormCache,
+    chunks: list[tuple[ChunkMap, np.ndarray]],
+    picks: list[tuple[int, int]],
+    room: bool = False,
 ) -> Any:
     """The batch of items ``picks`` ((chunk, position) pairs) as the workers build it;
-    None where they would collate it per item."""
+    None where they would collate it per item. ``room``: the buffer has room for the
+    bytes values (they are copied into it and made ``bytes`` from it)."""
     n = len(picks)
     where = np.array([c for c, _ in picks])
     positions = np.array([p for _, p in picks])
@@ -196,7 +200,8 @@ def batch_path(
     assert form is not None
     if not batches.supported(form, objects=True):
         return None
-    buf = batches.shared_bytes(form.regions(n)[1])
+    extra = bytes_needed(form, parts) if room else 0
+    buf = batches.shared_bytes(form.regions(n)[1] + extra)
     objects = assemble_into(buf.numpy(), form, parts, n)
     return batches.wrap(form, buf, n, objects)
 
@@ -277,6 +282,7 @@ def test_batches_of_any_shape_are_bit_identical(tmp_path_factory, shape, sizes, 
                 continue
             assembled += 1
             same(got, ref)
+            same(batch_path(cache, chunks, picks, room=True), ref)
             # The per-item path's bulk decode: the items themselves, from the same tables.
             for c in dict.fromkeys(c for c, _ in picks):
                 pos = np.array([p for cc, p in picks if cc == c])
