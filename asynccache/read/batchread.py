@@ -159,63 +159,80 @@ class Form:
 Source = tuple[Any, ...]
 
 
+def _shape(v: Any) -> tuple[int, ...] | None:
+    """A stored shape, if it is one (a list of non-negative ints)."""
+    if not isinstance(v, list) or not all(type(d) is int and d >= 0 for d in v):
+        return None
+    return tuple(v)
+
+
 def _walk(
     node: Any, buffers: Any, leaves: list[Leaf], where: list[Source], objects: bool
 ) -> Tree | None:
     """The form tree of a template's ``node``; appends its leaves and where each leaf's
-    data is. None: not assemblable."""
-    tag = node[0]
-    if tag in _SCALAR:
+    data is. None: not assemblable (or not a node :func:`.items.decode` reads as the
+    form says: such items are left to it, which reads or reports them)."""
+    tag, n = node[0], len(node)
+    if tag in _SCALAR and n == 2:
         if not isinstance(node[1], Slot):
             return None
         leaves.append(Leaf(tag, _SCALAR[tag].str, ()))
         where.append(("slot", node[1].index))
         return ("leaf", len(leaves) - 1)
-    if tag == "g":
-        dt = np.dtype(node[1])
+    if tag == "g" and n == 3:
+        dt = np.dtype(node[1]) if isinstance(node[1], str) else None
         # (default_collate can't make a tensor of numpy uint64 scalars)
-        if dt.kind not in _ARRAY_KINDS or not dt.isnative or dt == np.uint64:
+        if dt is None or dt.kind not in _ARRAY_KINDS or not dt.isnative or dt == np.uint64:
             return None
-        if not isinstance(node[2], Slot):
+        if not isinstance(node[2], Slot) or node[2].width != dt.itemsize:
             return None
         leaves.append(Leaf("g", dt.str, ()))
         where.append(("slot", node[2].index))
         return ("leaf", len(leaves) - 1)
-    if tag in ("a", "t", "y"):
-        if tag == "a":
-            dt = np.dtype(node[1])
-            if dt.kind not in _ARRAY_KINDS or (not dt.isnative and dt.itemsize > 1):
+    if (tag in ("a", "t") and n == 4) or (tag == "y" and n == 2):
+        if tag == "y":
+            if not objects:
                 return None
-            leaf = Leaf("a", dt.str, tuple(node[2]))
-        elif tag == "t":
-            if node[1] not in _TORCH:
-                return None
-            leaf = Leaf("t", node[1], tuple(node[2]))
-        elif objects:
             leaf = Leaf("y", "", ())
         else:
+            shape = _shape(node[2])
+            if shape is None or not isinstance(node[1], str):
+                return None
+            if tag == "a":
+                dt = np.dtype(node[1])
+                if dt.kind not in _ARRAY_KINDS or (not dt.isnative and dt.itemsize > 1):
+                    return None
+                leaf = Leaf("a", dt.str, shape)
+            elif node[1] in _TORCH:
+                leaf = Leaf("t", node[1], shape)
+            else:
+                return None
+        idx = node[-1]
+        if type(idx) is not int or not 0 <= idx < len(buffers):
             return None
-        entry = buffers[node[-1]]
+        entry = buffers[idx]
         if len(entry) != 2:  # compressed: the leaf is decoded, not copied
             return None
         leaves.append(leaf)
         where.append(("buf", entry[0].index, entry[1].index))
         return ("leaf", len(leaves) - 1)
-    if tag == "s":
+    if tag == "s" and n == 2:
         if not objects or not isinstance(node[1], Slot):
             return None
         leaves.append(Leaf("s", "", ()))
         where.append(("slot", node[1].index))
         return ("leaf", len(leaves) - 1)
-    if tag == "d":
+    if tag == "d" and n == 3:
+        if not isinstance(node[1], list) or len(node[1]) != len(node[2]):
+            return None
         keys = []
-        for k in node[1]:
-            if k[0] not in ("s", "i"):
+        for k in node[1]:  # (keys decode as themselves only with their own type)
+            if len(k) != 2 or (k[0], type(k[1])) not in (("s", str), ("i", int)):
                 return None
             keys.append(k[1])
         children = _walk_all(node[2], buffers, leaves, where, objects)
         return None if children is None else ("dict", tuple(keys), children)
-    if tag in ("l", "u"):
+    if tag in ("l", "u") and n == 2:
         children = _walk_all(node[1], buffers, leaves, where, objects)
         return None if children is None else ("list", children, tag)
     return None
@@ -243,11 +260,15 @@ class _Known:
         self.template = template
         leaves: list[Leaf] = []
         where: list[Source] = []
-        try:
+        form = None
+        try:  # (a corrupt header can hold anything: no form, decode reports it)
             tree = _walk(template.tree, template.buffers, leaves, where, objects)
-        except (IndexError, TypeError, ValueError, AttributeError):
-            tree = None
-        self.form = None if tree is None else Form(tree, tuple(leaves))
+            if tree is not None:
+                form = Form(tree, tuple(leaves))
+                hash(form)
+        except Exception:
+            form = None
+        self.form = form
         self.where = where
 
 
