@@ -38,6 +38,18 @@ with every anonymous mapping of its process tree scanned for bytes of the chunk 
 (``limits.ChunkBytesFinder``), to show whether the cache ever holds a chunk's bytes in
 anonymous memory.
 
+``--shapes NAME,...`` (or ``all``): the shape matrix instead (``shapes.py``: a bare array;
+``{"image", "label"}``; encoded JPEG bytes with a label and a path, decoded in the worker
+by a transform and not; ``{"x": 1 KiB float32, "y", "w", "id"}``, 200,000 items; ragged
+arrays with a list collate_fn; token blocks; 4 MiB arrays). Each shape is written by every
+library and read cold, warm, shuffled cold and shuffled warm, beside its own limits (i),
+(iii) (the same items in RAM through the same transform and collate_fn) and (iv), measured
+in the same repetition; one markdown table for the run, with asynccache's path (whole
+batches or per item, in the warm epoch) and its targets per shape: warm and shuffled warm
+>= 1.5x (iii) (>= 1x where a transform or collate_fn forces the per-item path), cold
+>= 0.85 of (iv), shuffled cold >= 0.8, client CPU per cold GiB <= (iii)'s; a target not
+met names what limits it. ``--total-mb`` sets each shape's size (default 1 GiB).
+
 Two more modes, for what loopback hides:
 
 * ``--link LAT_MS:MBPS``: every library, and the raw GET limit, reads through one
@@ -58,7 +70,7 @@ library's written dataset under ``DIR`` (one folder per shape) and reuses it in 
 writing 1 GiB three times takes minutes on two cores. ``--gets-log PATH`` writes every
 epoch's requests as the proxy saw them (JSON).
 
-    python benchmarks/compare.py [--total-mb 256] [--chunk-mb 64] [--item-kb 100] [--batch 64]
+    python benchmarks/compare.py [--shapes all] [--total-mb 256] [--chunk-mb 64] [--item-kb 100] [--batch 64]
         [--workers 2] [--reps 3] [--libs asynccache,litdata,mosaic] [--no-memory-check]
         [--link LAT_MS:MBPS] [--budget-mb N] [--src-dir DIR] [--gets-log PATH]
 """
