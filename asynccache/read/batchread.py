@@ -301,7 +301,7 @@ class FormCache:
         """The forms of ``chunk``, mapped as ``buf`` with item offsets ``offsets``."""
         cf = self._chunks.get(chunk)
         if cf is None or cf.buf is not buf:
-            kept = cf if cf is not None else self._kept.pop(chunk, None)
+            kept = cf.detached() if cf is not None else self._kept.pop(chunk, None)
             if kept is not None and kept.attach(buf, offsets):
                 cf = kept
             else:
@@ -319,8 +319,9 @@ class FormCache:
             self._keep(*self._chunks.popitem(last=False))
 
     def _keep(self, chunk: int, cf: ChunkForms) -> None:
-        if cf.detach():
-            self._kept[chunk] = cf
+        kept = cf.detached()  # (cf itself may still be in use, with its mapping)
+        if kept is not None:
+            self._kept[chunk] = kept
             self._kept.move_to_end(chunk)
         held = sum(x.nbytes for x in self._kept.values())
         while self._kept and held > _KEEP_BYTES:
@@ -400,11 +401,15 @@ class ChunkForms:
         """Bytes of the forms' tables."""
         return self.form_id.nbytes + sum(t.nbytes for ts in self.tables for t in ts)
 
-    def detach(self) -> bool:
-        """Let go of the mapping, keeping the forms learned; False: they can't be kept
-        (no file to know the chunk again by)."""
-        self.buf, self.u8, self.fd = None, np.zeros(0, np.uint8), None
-        return self.file is not None
+    def detached(self) -> ChunkForms | None:
+        """The forms learned, without the mapping (a new object sharing the tables; this
+        one is unchanged); None when they can't be kept (no file to know the chunk by)."""
+        if self.file is None:
+            return None
+        out = object.__new__(ChunkForms)
+        out.__dict__.update(self.__dict__)
+        out.buf, out.u8, out.fd = None, np.zeros(0, np.uint8), None
+        return out
 
     def attach(self, buf: Any, offsets: np.ndarray) -> bool:
         """Take up ``buf``, a new mapping of this chunk, keeping the forms learned; False
