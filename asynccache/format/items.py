@@ -21,7 +21,7 @@ tag      node                                          leaf value
 ``a``    ``["a", dtype, shape, buf]``                 numpy.ndarray (C order)
 ``g``    ``["g", dtype, raw bytes]``                  numpy scalar
 ``t``    ``["t", dtype, shape, buf]``                 torch.Tensor (any dtype)
-``p``    ``["p", mode, [w, h], codec, buf]``          PIL image, stored encoded
+``p``    ``["p", mode, [w, h], codec, buf(, "kept")]`` PIL image, stored encoded
 ``k``    ``["k", buf]``                               pickled object (opt-in only)
 ``l``    ``["l", [node...]]``                         list
 ``u``    ``["u", [node...]]``                         tuple
@@ -29,6 +29,10 @@ tag      node                                          leaf value
 ``o``    ``["o", class, [field...], [node...]]``      namedtuple
 ``c``    ``["c", class, [field...], [node...]]``      dataclass instance
 =======  ===========================================  ==========================
+
+A ``p`` node ending in ``"kept"`` holds the bytes the image was opened from (JPEG, PNG or
+WebP, see :mod:`.images`) and reads back as that image, opened lazily; without it, the
+image was encoded losslessly (PNG, or TIFF).
 
 ``class`` is ``"module:qualname"``. On read the class is looked up among the modules the
 reading process has already imported (reading never imports a module named by the data)
@@ -53,6 +57,7 @@ import msgpack
 import numpy as np
 
 from ..errors import ConfigError, DataError, SerializationError
+from .images import ImageBytes, kept_bytes, open_file_bytes, open_image
 
 ALIGN = 64
 #: Buffers smaller than this are never compressed (not worth a copy on read).
@@ -94,8 +99,9 @@ def align(n: int) -> int:
 
 
 class _Encoder:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, image_bytes: ImageBytes | None = None) -> None:
         self.allow_pickle = allow_pickle
+        self.image_bytes = image_bytes or open_file_bytes
         self.buffers: list[memoryview] = []
 
     def buf(self, data: Any) -> int:
@@ -190,6 +196,12 @@ class _Encoder:
         return ["t", dtype, list(t.shape), self.buf(raw)]
 
     def image(self, img: Any) -> list[Any]:
+        fmt = getattr(img, "format", None)
+        if fmt is not None:
+            data = self.image_bytes(img)
+            if kept_bytes(img, data):
+                assert data is not None
+                return ["p", img.mode, list(img.size), fmt, self.buf(data), "kept"]
         codec = "PNG" if img.mode in _PNG_MODES else "TIFF"
         out = io.BytesIO()
         if codec == "PNG":
@@ -211,7 +223,11 @@ _DTYPES: dict[str, np.dtype] = {}  # dtype strings of array leaves, parsed once
 
 
 def encode(
-    item: Any, *, allow_pickle: bool = False, compression: str | None = None
+    item: Any,
+    *,
+    allow_pickle: bool = False,
+    compression: str | None = None,
+    image_bytes: ImageBytes | None = None,
 ) -> list[memoryview | bytes]:
     """Serialize ``item``; returns the pieces to write back to back (header, pads, buffers).
 
@@ -219,11 +235,15 @@ def encode(
     ``compression="zstd"``, buffers of at least :data:`COMPRESS_MIN` bytes are stored
     compressed when that saves at least a tenth (their leaves are then copies on read).
 
+    ``image_bytes(img)``: the bytes a ``PIL`` image leaf was opened from, or None (default:
+    what its still-open file object holds, :func:`.images.open_file_bytes`); an image keeps
+    them when they decode to exactly that image (:func:`.images.kept_bytes`).
+
     Raises:
         SerializationError: ``item`` contains a leaf that can't be stored.
         ConfigError: unknown ``compression``, or zstandard is not installed.
     """
-    enc = _Encoder(allow_pickle)
+    enc = _Encoder(allow_pickle, image_bytes)
     tree = enc.node(item)
     codecs: list[list[Any]] = [[] for _ in enc.buffers]
     if compression is not None:
@@ -339,6 +359,10 @@ class _Decoder:
         if tag == "g":
             return np.frombuffer(n[2], dtype=np.dtype(n[1]))[0]
         if tag == "p":
+            if len(n) > 5 and n[5] == "kept":
+                buf, off, size = self.raw(n[4])
+                data = bytes(memoryview(buf)[off : off + size])
+                return open_image(data, n[3], n[1], n[2], self.where)
             return self.image(n[1], n[2], n[3], n[4])
         if tag == "l":
             return [self.node(x) for x in n[1]]

@@ -41,6 +41,7 @@ from ..format import (
     merge,
     runs,
 )
+from ..format.images import open_file_bytes
 from ..format.index import format_checksum, new_hasher
 from ..format.items import compressor
 from ..format.tokens import encode_tokens, flags_for, token_dtype
@@ -56,6 +57,30 @@ _WRITTEN = re.compile(r"chunk-\d+-\d+\.bin|\d+\.index\.json")
 COMPACT_RUNS_PER_CHUNK = 2
 #: The writer number of chunks rewritten in key order (no DataLoader writer gets it).
 SORTED_WRITER = 999_999_999
+
+
+#: An image file larger than this is not read back to keep its bytes (encoded instead).
+MAX_KEPT_IMAGE_BYTES = 256 << 20
+
+
+def original_image_bytes(img: Any) -> bytes | None:
+    """The bytes a ``PIL`` image was opened from: its open file object's, else its file
+    name's (an image whose pixels were loaded, which closed the file). The format layer
+    keeps them only if they decode to exactly this image (``format/images.py``), so a file
+    changed since it was opened, or an image edited since, is encoded instead."""
+    data = open_file_bytes(img)
+    if data is not None:
+        return data
+    name = getattr(img, "filename", None)
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        with open(name, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_KEPT_IMAGE_BYTES:
+                return None
+            return f.read()
+    except OSError:
+        return None
 
 
 def writer_index_name(writer: int) -> str:
@@ -130,7 +155,12 @@ class ChunkWriter:
         if self.token_dtype is not None:
             pieces = encode_tokens(item, self.token_dtype)
         else:
-            pieces = encode(item, allow_pickle=self.allow_pickle, compression=self.compression)
+            pieces = encode(
+                item,
+                allow_pickle=self.allow_pickle,
+                compression=self.compression,
+                image_bytes=original_image_bytes,
+            )
         size = encoded_size(pieces) + 8
         full_by_bytes = self.chunk_bytes is not None and self._bytes + size > self.chunk_bytes
         full_by_count = self.chunk_size is not None and len(self._items) >= self.chunk_size
