@@ -24,7 +24,13 @@ from contextlib import AbstractAsyncContextManager
 
 import numpy as np
 
-from ..errors import ChecksumMismatchError, StorageError, StorageTimeoutError, TransientError
+from ..errors import (
+    ChecksumMismatchError,
+    DatasetRewrittenError,
+    StorageError,
+    StorageTimeoutError,
+    TransientError,
+)
 from ..storage.base import ObjectInfo, Storage
 from .link import LinkEstimate
 from .parts import retry_wait
@@ -43,8 +49,8 @@ ALIGN = 64  # items start on 64-byte boundaries of the chunk: keep them so in me
 Check = Callable[[np.ndarray], str | None]
 
 _STALE = (
-    "no longer matches the index.json this reader opened (the dataset was likely "
-    "rewritten at this URL since; open it again to read the new version)"
+    "changed since this reader opened index.json (the dataset was rewritten at this URL; "
+    "open it again to read the new version)"
 )
 
 
@@ -104,11 +110,12 @@ async def read_range(
     and no retry can help.
 
     Raises:
-        ChecksumMismatchError: the object no longer matches the index (its size changed,
-            its ETag changed while it was read, or ``verify.origin`` no longer matches:
-            rewritten), or the range failed ``verify`` on every attempt while the object
-            stayed the same (damaged where it is stored, or on every way to it). The
-            message names the URL, the bytes and what ``verify`` found.
+        DatasetRewrittenError: the object no longer matches the index: its size changed,
+            its ETag changed while it was read, ``verify.origin`` no longer matches, or
+            it is gone. Names the URL, the bytes and what ``verify`` found.
+        ChecksumMismatchError: the range failed ``verify`` on every attempt while the
+            object stayed the same (damaged where it is stored, or on every way to it).
+            Names the URL, the bytes and what ``verify`` found.
         RetriesExhaustedError: the retry budget ran out (the last cause chained).
         ThrottleTimeoutError: throttled past the patience (names it and the URL).
         StorageError: non-transient failures pass through unretried.
@@ -153,7 +160,7 @@ async def read_range(
             else:
                 changed = _size_changed(now, verify.size) or _etag_changed(seen, now)
             if changed is not None:
-                raise ChecksumMismatchError(
+                raise DatasetRewrittenError(
                     f"{url}: {_STALE}: {changed}; bytes {start}-{end} read by range: {what}"
                 )
             if not policy.should_retry(mismatches):
@@ -213,16 +220,23 @@ class _RangeSink:
 
 async def _head(storage: Storage, key: str, timeout_s: float) -> ObjectInfo | None:
     """The object's size and ETag now, or None when the storage can't tell within
-    ``timeout_s`` (only the messages and the rewrite test use them; a missing object is
-    an error of its own)."""
+    ``timeout_s`` (a failed HEAD is no evidence of a rewrite).
+
+    Raises:
+        DatasetRewrittenError: the object is gone.
+    """
     try:
         async with asyncio.timeout(timeout_s):
             return await storage.head(key)
     except (StorageError, TimeoutError) as exc:
         if isinstance(exc, FileNotFoundError):
-            raise
+            raise _gone(storage, key) from exc
         log.debug("HEAD %s failed: %r", storage.object_url(key), exc)
         return None
+
+
+def _gone(storage: Storage, key: str) -> DatasetRewrittenError:
+    return DatasetRewrittenError(f"{storage.object_url(key)}: {_STALE}: the object is gone")
 
 
 def _size_changed(now: ObjectInfo | None, size: int) -> str | None:
@@ -256,7 +270,7 @@ async def _origin_changed(
         )
     except StorageError as exc:
         if isinstance(exc, FileNotFoundError):
-            raise
+            raise _gone(storage, key) from exc
         return None, False
     what = check(got)
     return (None, True) if what is None else (f"bytes {lo}-{hi} read again: {what}", False)
