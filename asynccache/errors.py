@@ -20,6 +20,8 @@ Each class also inherits the builtin a caller would already catch, so
     │   ├── TruncatedChunkError            shorter than its header or index says
     │   ├── ChecksumMismatchError          bytes differ from the index's checksum
     │   │   └── DatasetRewrittenError      the object changed (size, ETag) since the index was read
+    │   ├── CorruptFooterError             a Parquet file's footer can't be read (names the file)
+    │   ├── SchemaMismatchError            a source file's schema differs from the first file's
     │   ├── BadIndexError                  index.json malformed or inconsistent
     │   │   ├── UnsafePathError            index names a path outside its directory
     │   │   └── CorruptIndexError          index.json bytes differ from its own checksum
@@ -49,6 +51,7 @@ __all__ = [
     "CacheError",
     "ChecksumMismatchError",
     "ConfigError",
+    "CorruptFooterError",
     "CorruptIndexError",
     "DataError",
     "DatasetExistsError",
@@ -59,6 +62,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ResumeStateError",
     "RetriesExhaustedError",
+    "SchemaMismatchError",
     "SerializationError",
     "StorageError",
     "StorageTimeoutError",
@@ -162,6 +166,17 @@ class DatasetRewrittenError(ChecksumMismatchError):
     ETag is the MD5 of the bytes) its bytes arrived intact and differ from the index. The
     dataset was rewritten at its URL: not retried; open it again to read the new version.
     The message names the chunk."""
+
+
+class CorruptFooterError(DataError):
+    """A Parquet file's footer (its metadata) can't be read: its length field does not fit
+    the file, pyarrow refuses it, or a range it gives lies outside the file. The message
+    names the file."""
+
+
+class SchemaMismatchError(DataError):
+    """A file of a multi-file source (Parquet) has another schema than the first file, for
+    the columns read. The message names both files and the first difference."""
 
 
 class BadIndexError(DataError):

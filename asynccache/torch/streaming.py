@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import default_collate, default_convert, get_worker_info
 
 from ..cache.usage import scan
 from ..config import Settings
@@ -18,6 +18,8 @@ from ..read.batchread import Form, Leaf, assemble_into
 from ..read.reader import Reader
 from ..read.readplan import EpochSpec, ReaderPlace, View
 from ..read.source import DatasetSource
+from ..read.source_units import SourceReader, SourceUnits, UnitSource
+from ..read.sources import open_source
 from ..read.token_blocks import TokenBlocks, TokenUnits
 from ..read.units import UnitReader
 from ..sampling import Plan, Segment
@@ -104,6 +106,19 @@ class StreamingDataset(EpochDataset):
             ``TokenBlocks(block_size=L)`` (a dataset written with ``tokens=``): a sample
             is a block of ``L`` tokens of the concatenated documents (docs/tokens.md);
             ``num_items``, ``len()``, ``ds[i]``, shuffle, split and resume count blocks.
+        columns: read ``input_dir`` as Parquet files, these columns only (docs/sources.md).
+            A URL without ``index.json``, an ``hf://datasets/...`` URL, or ``files=`` a glob
+            of ``.parquet`` files is read as Parquet too, all columns by default.
+        files: a glob (``"**/*.jpg"``): read the files under ``input_dir`` that match it,
+            one item per file, without conversion.
+        decode: with ``files=``, ``decode(key, data)`` (``decode(key, data, label)`` with
+            ``labels=``) makes the item of each file, in the worker; default a dict of
+            ``key``, ``data`` (and ``label``).
+        labels: with ``files=``, where labels come from: ``"dir"`` (the file's folder
+            name, numbered in sorted order) or the key of a side file under
+            ``input_dir`` (JSON ``{key: label}``, or CSV ``key,label`` lines).
+        refresh: list the source's files again instead of using the cached listing
+            (folders of files) or footers (Parquet).
     """
 
     def __init__(
@@ -124,11 +139,24 @@ class StreamingDataset(EpochDataset):
         allow_pickle: bool = False,
         settings: Settings | None = None,
         item_loader: TokenBlocks | None = None,
+        columns: list[str] | None = None,
+        files: str | None = None,
+        decode: Callable[..., Any] | None = None,
+        labels: Any = None,
+        refresh: bool = False,
     ) -> None:
         self.order_spec = _order_spec(seed, shuffle, shuffle_window, subsample, epoch_size)
         settings = settings or Settings.from_env(max_cache_bytes=max_cache_bytes)
-        self.source = DatasetSource(
-            input_dir, cache_dir=cache_dir, storage_options=storage_options, settings=settings
+        self.source: DatasetSource = open_source(
+            input_dir,
+            columns=columns,
+            files=files,
+            decode=decode,
+            labels=labels,
+            refresh=refresh,
+            cache_dir=cache_dir,
+            storage_options=storage_options,
+            settings=settings,
         )
         self.index = self.source.index
         self.shuffle = shuffle
@@ -159,6 +187,11 @@ class StreamingDataset(EpochDataset):
             max_open=open_chunks,
         )
         self.unit_reader = UnitReader(self.index, self.reader, self.source, blocks, open_chunks)
+        if isinstance(self.source, UnitSource):  # Parquet row groups, packs of files
+            if blocks is not None:
+                raise ConfigError(f"{self.source.url}: item_loader is for written datasets")
+            self.reader = SourceReader(self.index, self.source, open_chunks)  # type: ignore[assignment]
+            self.unit_reader = SourceUnits(self.index, self.reader, self.source, open_chunks)  # type: ignore[arg-type]
         self._heads = HeadStart(self.source, self.index, settings)
         super().__init__(settings, bool(drop_last), batch_size, self.source.url)
 
@@ -229,6 +262,11 @@ class StreamingDataset(EpochDataset):
                 .reshape(n, tb.block_size),
             )
             return self._send(tform, n, buf, slot, pool, row)
+        columns = getattr(ur, "columns_batch", None)  # a source with columns (Parquet)
+        got = columns(keys) if columns is not None else None
+        if got is not None:
+            batches.count(self.batch_marks, row, "assembled")
+            return default_convert(got)
         chunks, positions, by_range = ur.located(keys)
         if by_range:
             return self._collated(keys, row, chunks, positions)  # items read by range
