@@ -102,11 +102,13 @@ class UnitSource(DatasetSource):
                 inner = open_storage(
                     self._open_url, self.settings, self.storage_options, self._aws_env
                 )
+                # A Hub dataset is read at one pinned commit: its files can't change.
+                pinned = self._open_url.startswith("hf://")
                 storage = UnitStorage(
                     inner,
                     self.units,
-                    verify_after=self.verify_after,
-                    check_etag=not self._open_url.startswith("hf://"),
+                    verify_after=self.verify_after and not pinned,
+                    check_etag=not pinned,
                     concurrency=self.settings.max_concurrency,
                 )
                 conn = self._slot.conn = Connection(storage, get_loop_thread())
