@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 from ..bridge import forksafe
 from .layout import LOCK_DIR
@@ -34,21 +35,30 @@ def board_path(root: str | os.PathLike[str], key: str) -> str:
 
 
 class Board:
-    """The slots of ``readers`` readers in the file at ``path`` (created on first write)."""
+    """The slots of ``readers`` readers in the file at ``path`` (created on first write).
+
+    Invariant: at most one descriptor is open, from the first write to :meth:`close`, or
+    to the board's collection (a finalizer closes it), whichever comes first; a forked
+    child never holds the parent's (:mod:`asynccache.bridge.forksafe` closes it there, and
+    the child opens its own on its first write).
+    """
 
     def __init__(self, path: str, readers: int) -> None:
         self.path = path
         self.readers = readers
         self._fd: int | None = None
-        self._pid = os.getpid()
+        self._closer: weakref.finalize | None = None
+        forksafe.register(self)
 
     def _open(self) -> int | None:
-        if self._fd is None or self._pid != os.getpid():
+        if self._fd is None:
             try:
-                self._fd = forksafe.open_fd(self.path, os.O_RDWR | os.O_CREAT)
+                fd = forksafe.open_fd(self.path, os.O_RDWR | os.O_CREAT)
             except OSError:
                 return None  # a read-only or vanished cache: the plan degrades, never fails
-            self._pid = os.getpid()
+            self._fd = fd
+            self._closer = weakref.finalize(self, _close, fd, os.getpid())
+            self._closer.atexit = False
         return self._fd
 
     def write(self, reader: int, epoch: int, variant: int, position: int) -> None:
@@ -82,6 +92,18 @@ class Board:
         return out
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None and self._pid == os.getpid():
-            forksafe.close_fd(fd)
+        """Close the descriptor (the next write opens it again). Idempotent."""
+        closer, self._closer, self._fd = self._closer, None, None
+        if closer is not None:
+            closer()
+
+    def _after_fork_in_child(self) -> None:
+        # forksafe closed the descriptor already: forget it, never close the number again.
+        if self._closer is not None:
+            self._closer.detach()
+        self._closer, self._fd = None, None
+
+
+def _close(fd: int, pid: int) -> None:
+    if os.getpid() == pid:  # (a child forked meanwhile closed its copy at the fork)
+        forksafe.close_fd(fd)

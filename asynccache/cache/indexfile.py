@@ -4,7 +4,9 @@ A version-2 index is two files: the sidecar ``index-<hex>.cols`` (written first)
 small ``index.json`` that names it (the commit). Readers map the sidecar read-only, so
 every process of a node shares its pages; a mapped :class:`~asynccache.format.Index`
 pickles as the sidecar's path and is mapped again where it is unpickled (a spawned
-worker), and a forked child inherits the mapping.
+worker), and a forked child inherits the mapping. Where the path is gone when unpickled
+(the cache directory deleted after the index was mapped), the copy maps the same file
+through the descriptor the pickling process keeps of it.
 
 A mapped index holds a shared ``flock`` on the sidecar for as long as it lives: the cache's
 evictor removes only what it can lock exclusively, so a cached sidecar stays while any
@@ -27,16 +29,19 @@ import contextlib
 import fcntl
 import mmap
 import os
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..bridge import forksafe
 from ..config import DEFAULT_MAX_INDEX_BYTES
 from ..errors import BadIndexError, CorruptIndexError, ObjectNotFoundError
-from ..format import INDEX_NAME, Index
+from ..format import INDEX_NAME, ChunkEntry, Index
 from ..format.columns import NAME_RE, max_size
 from ..format.index import IndexMeta, load, verify_sealed_bytes
 from ..storage.base import Storage
 from .fsutil import atomic_write, fsync_dir
+from .layout import check_chunk_names
 from .locks import try_lock
 
 __all__ = [
@@ -55,37 +60,96 @@ __all__ = [
 
 _SETTING = "ASYNCCACHE_MAX_INDEX_BYTES"
 
+_PROC_SELF_FD = "/proc/self/fd"
 
-def map_sidecar(meta: IndexMeta, path: str) -> Index:
+
+def map_sidecar(meta: IndexMeta, path: str, *, reach: str | None = None) -> Index:
     """The index of ``meta``, its columns mapped from ``path`` (read-only, shared).
+
+    A descriptor of the sidecar stays open for as long as the index lives (the mapping's
+    own), so that a copy of the index unpickled in another process maps the same file
+    even where ``path`` no longer reaches it (the cache directory deleted meanwhile):
+    see :func:`_reopen`.
+
+    Args:
+        meta: the ``index.json`` that names the sidecar.
+        path: the sidecar's path (messages name it; a copy unpickled elsewhere looks there
+            first).
+        reach: a path that opens the sidecar where ``path`` no longer does (another
+            process's descriptor of it); default ``path``.
 
     Raises:
         CorruptIndexError: the sidecar is truncated or damaged.
         BadIndexError: it is missing or disagrees with ``index.json`` (names ``path``).
     """
     try:
-        fd = forksafe.open_fd(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = forksafe.open_fd(reach or path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
-        raise BadIndexError(
-            f"{path}: the column sidecar that {meta.where} names is missing"
-        ) from exc
-    # The mapping's own descriptor (a duplicate of fd: the same open file) keeps the lock
-    # for as long as the mapping lives; a refused sidecar is unlocked at once, so that a
-    # damaged cached copy can be removed.
+        raise _missing(meta, path) from exc
+    # The descriptor (kept) and the mapping's own (a duplicate: the same open file) keep
+    # the lock for as long as the index lives; a refused sidecar is unlocked at once, so
+    # that a damaged cached copy can be removed.
     locked = False
     try:
         locked = try_lock(fd, exclusive=False)
-        size = os.fstat(fd).st_size
-        buf: Any = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+        st = os.fstat(fd)
+        before = _fds_on((st.st_dev, st.st_ino))
+        buf: Any = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else b""
         idx = meta.open(buf, path)
+        check_chunk_names(idx, meta.where)
     except BaseException:
         if locked:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        raise
-    finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (the mapping's duplicate may outlive this)
         forksafe.close_fd(fd)
-    object.__setattr__(idx, "_opener", (_reopen, (meta, path)))
+        raise
+    key = (st.st_dev, st.st_ino)
+    # CPython's mapping keeps a duplicate of the descriptor for as long as it lives (the
+    # index's life): that one is named to other processes, this one closed. Where it
+    # cannot be told apart, this one is kept instead, and closed with the index.
+    kept = _mapping_fd(key, before) if st.st_size else None
+    pid = os.getpid()
+    if kept is None:
+        kept = fd
+        closer = weakref.finalize(idx, _close, fd, pid)
+        closer.atexit = False
+    else:
+        forksafe.close_fd(fd)
+    object.__setattr__(idx, "_opener", (_reopen, (meta, path, pid, kept, key)))
     return idx
+
+
+def _fds_on(key: tuple[int, int]) -> set[int] | None:
+    """This process's descriptors open on the file ``key`` (device, inode), or None
+    where that cannot be told (no ``/proc``)."""
+    try:
+        names = os.listdir(_PROC_SELF_FD)
+    except OSError:
+        return None
+    out = set()
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            st = os.fstat(int(name))
+            if (st.st_dev, st.st_ino) == key:
+                out.add(int(name))
+    return out
+
+
+def _mapping_fd(key: tuple[int, int], before: set[int] | None) -> int | None:
+    """The one descriptor on the file ``key`` opened since ``before`` (the descriptors
+    on it then): the mapping's duplicate. None where there is not exactly one."""
+    after = _fds_on(key)
+    if before is None or after is None or len(after - before) != 1:
+        return None
+    return next(iter(after - before))
+
+
+def _missing(meta: IndexMeta, path: str) -> BadIndexError:
+    return BadIndexError(f"{path}: the column sidecar that {meta.where} names is missing")
+
+
+def _close(fd: int, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child closed its copy at the fork already
+        forksafe.close_fd(fd)
 
 
 def discard(path: str) -> bool:
@@ -106,8 +170,45 @@ def discard(path: str) -> bool:
         forksafe.close_fd(fd)
 
 
-def _reopen(meta: IndexMeta, path: str) -> Index:
-    return map_sidecar(meta, path)
+def _reopen(meta: IndexMeta, path: str, pid: int, fd: int, key: tuple[int, int]) -> Index:
+    """A mapped index as unpickled (a spawned DataLoader worker): mapped from ``path``;
+    where ``path`` is gone (the cache directory deleted since), from the descriptor
+    ``fd`` of the process ``pid`` that mapped it (Linux ``/proc/<pid>/fd``), if that still
+    reaches the same file (``key``: its device and inode). Where nothing reaches it, an
+    index that raises :class:`BadIndexError` naming ``path`` when used: the worker then
+    reports it as its exception, where failing here would end the worker unexplained."""
+    try:
+        return map_sidecar(meta, path)
+    except BadIndexError:
+        if os.path.exists(path):
+            raise  # there, and not what index.json says: not a deletion
+    other = f"/proc/{pid}/fd/{fd}"
+    try:
+        st = os.stat(other)
+    except OSError:
+        st = None
+    if st is not None and (st.st_dev, st.st_ino) == key:
+        with contextlib.suppress(FileNotFoundError, BadIndexError):
+            return map_sidecar(meta, path, reach=other)
+    out = Index(_Unreachable(_missing(meta, path)), dict(meta.config), meta.writer, meta.token)
+    object.__setattr__(out, "_opener", (_reopen, (meta, path, pid, fd, key)))
+    return out
+
+
+class _Unreachable(Sequence[ChunkEntry]):
+    """The chunks of an index whose sidecar nothing reaches: every use raises ``error``."""
+
+    def __init__(self, error: BadIndexError) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        raise self.error
+
+    def __getitem__(self, i: Any) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Iterator[ChunkEntry]:
+        raise self.error
 
 
 def read_path(path: str, *, max_bytes: int = DEFAULT_MAX_INDEX_BYTES) -> Index:
@@ -123,6 +224,7 @@ def read_path(path: str, *, max_bytes: int = DEFAULT_MAX_INDEX_BYTES) -> Index:
             raise too_large(path, size, max_bytes)
         got = load(f.read(max_bytes + 1), path)
     if isinstance(got, Index):
+        check_chunk_names(got, path)
         return got
     side = os.path.join(os.path.dirname(path), got.sidecar)
     check_sidecar_size(got, side)

@@ -6,9 +6,18 @@ Layout::
       .evict.lock                       serialises eviction; holds the usage ledger
       <dataset id>/                     one per (source URL, index checksum)
         chunk-0-0.bin                   published chunks: complete and verified
+        chunk-~<32 hex>.bin             a chunk the index calls otherwise (local_name)
+        index-<16 hex>.cols             a version-2 index's column sidecar (not counted)
         .chunk-0-1.bin.<pid>.<rand>.tmp a download in progress (its writer holds a flock)
         .locks/.asynccache-dataset      marker: this directory belongs to the cache
         .locks/chunk-0-1.bin.lock       the chunk's download lock (flock, empty file)
+
+The files of a chunk are named after its *local name* (:func:`local_name`), not after the
+index's name as such: a name of the writer's form (``chunk-<writer>-<n>.bin``, short, in
+plain characters) keeps it, and any other (``data_0001.bin``, a name too long to take the
+temporary suffix) becomes ``chunk-~<hash of the name>.bin``. So every chunk the cache writes
+has a name the scan knows as its own (counted against the budget, evicted), whatever the
+index calls it, and no other file in the directory is ever taken for one.
 
 A published name is only ever created by ``os.replace`` of a complete, verified temporary
 file, so a reader never sees a partial chunk, even after a crash. Across a power loss a
@@ -21,7 +30,8 @@ readers :func:`reopen_path` of it, a name that reaches that inode whatever the r
 (Linux ``/proc/self/fd``). Other processes see the chunk only under its published name.
 
 The cache touches only what it created: directories holding the marker, and in them only
-chunk names (:func:`is_chunk_name`) and our temporary names (:func:`is_temp_name`).
+chunk names (:func:`is_chunk_name`: every chunk's local name is one) and our temporary
+names (:func:`is_temp_name`).
 Every descriptor that may carry a flock is tracked by :mod:`asynccache.bridge.forksafe`, so a
 forked child never keeps a lock of its parent alive.
 """
@@ -35,11 +45,16 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
+
 from ..bridge import forksafe
-from ..errors import CacheError, DiskFullError
+from ..errors import BadIndexError, CacheError, DiskFullError
+from ..format import Index
+from ..format.columns import PatternNames, TableNames
+from ..format.index import NAME_MAX
 from . import stamp as stamps
 from .fsutil import fsync_dir
 from .locks import try_lock
@@ -47,13 +62,17 @@ from .locks import try_lock
 __all__ = [
     "DATASET_MARKER",
     "LOCK_DIR",
+    "NAME_MAX",
+    "SIDECAR_RE",
     "TempFile",
+    "check_chunk_names",
     "dataset_dir",
     "ensure_dataset_dir",
     "fsync_dir",
     "is_chunk_name",
     "is_dataset_dir",
     "is_temp_name",
+    "local_name",
     "reopen_path",
     "reopens",
     "shown_path",
@@ -66,6 +85,16 @@ DATASET_MARKER = f"{LOCK_DIR}/.asynccache-dataset"
 _TMP_SUFFIX = ".tmp"
 # ``chunk-<writer>-<n>.bin`` as the writer names them; any ``chunk-*.bin`` is accepted.
 _CHUNK_RE = re.compile(r"chunk-[^/]*\.bin")
+# An index's column sidecar, fetched into the cache beside the chunks: the one file the
+# cache keeps outside the budget (see local_name).
+SIDECAR_RE = re.compile(r"index-[0-9a-f]{16}\.cols")
+_SIDECAR_LEN = len("index-0123456789abcdef.cols")
+# Index names kept as local names: the writer's forms, in plain characters (never ``~``,
+# which marks a hashed name: a kept name never equals the hash of another).
+_PLAIN_RE = re.compile(r"chunk-[A-Za-z0-9_.-]*\.bin")
+_HASHED = "chunk-~{}.bin"
+# A kept name this long still takes the temporary suffix (``.<name>.<pid>.<8 hex>.tmp``).
+_PLAIN_MAX = 200
 # ``.<final name>.<pid>.<8 hex>.tmp``, exactly what TempFile creates.
 _TEMP_RE = re.compile(r"\.(?P<final>[^/]+)\.[0-9]+\.[0-9a-f]{8}\.tmp")
 # Opening ``/proc/self/fd/N`` reopens the inode behind descriptor N (Linux): a name for a
@@ -114,13 +143,90 @@ def dataset_dir(cache_dir: str | os.PathLike[str], source_url: str, index_checks
     return Path(cache_dir) / digest
 
 
+def local_name(name: str) -> str:
+    """The file name chunk ``name`` (as the index names it) has in a dataset directory.
+
+    ``name`` itself when it has the writer's form (``chunk-*.bin`` of letters, digits,
+    ``_``, ``.``, ``-``, at most 200 bytes); otherwise ``chunk-~<32 hex>.bin``, from a
+    hash of ``name``. Either way a chunk name (:func:`is_chunk_name`), so the cache counts
+    and evicts the file; and two index names never share a local name (a kept name has no
+    ``~``; hashed ones differ unless SHA-256 collides). Pure; cheap for kept names.
+
+    The one exception is a version-2 index's column sidecar (``index-<16 hex>.cols``,
+    fetched through the store like a chunk), which keeps its name and stays outside the
+    budget: it is the index itself, mapped by every process reading the dataset for as
+    long as it is open, a few bytes per chunk; it goes with its dataset directory. No
+    chunk has such a name (:func:`check_chunk_names`).
+    """
+    if len(name) <= _PLAIN_MAX and _PLAIN_RE.fullmatch(name):
+        return name
+    if SIDECAR_RE.fullmatch(name):
+        return name
+    return _HASHED.format(hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32])
+
+
+def check_chunk_names(index: Index, where: str) -> None:
+    """Refuse an index with a chunk name no file system takes (longer than
+    :data:`NAME_MAX` bytes, a path separator, ``.`` or ``..``, a NUL), or one of a
+    column sidecar's form (``index-<16 hex>.cols``: the cache keeps such a file outside
+    its budget, see :func:`local_name`). At open, so that a bad name is reported before
+    an epoch starts, not when its chunk is reached.
+
+    The names of a version-1 index are checked for the first as it is parsed
+    (:func:`asynccache.format.index.check_filename`). A column sidecar's are checked
+    without decoding each name: a pattern's longest name, the table's byte lengths.
+
+    Raises:
+        BadIndexError: names ``where`` (the index) and the chunk.
+    """
+    if not index.mapped:
+        maybe: Iterable[int] = range(index.num_chunks)  # a version-1 index: small
+    else:
+        names = index.columns.names
+        if isinstance(names, TableNames):
+            lens = np.diff(names.start)
+            if len(lens) and int(lens.max()) > NAME_MAX:
+                c = int(np.argmax(lens))
+                raise BadIndexError(_too_long(where, c, names.name(c)))
+            maybe = np.flatnonzero(lens == _SIDECAR_LEN).tolist()
+        elif isinstance(names, PatternNames):
+            # The longest name: each number at its widest (the sidecar refuses a minus).
+            longest = sum(len(p.encode()) for p in names.parts) + sum(
+                len(str(int(f.max()))) if len(f) else 0 for f in names.fields
+            )
+            if longest > NAME_MAX:
+                widest = [int(np.argmax(f)) for f in names.fields if len(f)]
+                c = max(widest, key=lambda i: len(names.name(i).encode()), default=0)
+                raise BadIndexError(_too_long(where, c, names.name(c)))
+            sidecar_like = names.parts[0].startswith("index-") and names.parts[-1].endswith(".cols")
+            maybe = range(index.num_chunks) if sidecar_like else ()
+        else:
+            maybe = ()
+    for c in maybe:
+        name = index.filename(c)
+        if SIDECAR_RE.fullmatch(name):
+            raise BadIndexError(
+                f"{where}: chunk {c}: its file name {name!r} is a column sidecar's "
+                "(index-<16 hex>.cols), which no chunk may take"
+            )
+
+
+def _too_long(where: str, chunk: int, name: str) -> str:
+    size = len(name.encode("utf-8", "surrogatepass"))
+    return (
+        f"{where}: chunk {chunk}: its file name {name[:48]!r}... is {size} bytes, longer "
+        f"than a file name may be ({NAME_MAX} bytes)"
+    )
+
+
 def is_temp_name(name: str) -> bool:
     """True for names written by :class:`TempFile` (``.<name>.<pid>.<rand>.tmp``)."""
     return _TEMP_RE.fullmatch(name) is not None
 
 
 def is_chunk_name(name: str) -> bool:
-    """True for the chunk names the cache counts and evicts: ``chunk-*.bin``."""
+    """True for the names the cache counts and evicts: ``chunk-*.bin`` (a chunk's
+    :func:`local_name` is one, whatever the index calls it)."""
     return _CHUNK_RE.fullmatch(name) is not None
 
 

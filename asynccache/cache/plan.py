@@ -111,7 +111,7 @@ class PlanPolicy:
     """The node's plan as the store's eviction and admission policy.
 
     Args:
-        names: the chunk file names, by chunk number.
+        names: the chunk files' local names (:func:`.layout.local_name`), by chunk number.
         plans: the plan of ``(epoch, variant)`` (variant 0: the epoch from its start),
             or None when unknown; the caller caches.
         epoch, variant: the epoch this process runs.

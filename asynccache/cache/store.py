@@ -16,8 +16,8 @@ from typing import Any
 from ..bridge import forksafe
 from ..config import Settings
 from ..errors import CacheError, DiskFullError
+from . import pressure, usage
 from . import stamp as _stamps
-from . import usage
 from .eviction import Entry, select_victims
 from .layout import (
     DATASET_MARKER,
@@ -25,6 +25,7 @@ from .layout import (
     TempFile,
     dataset_dir,
     ensure_dataset_dir,
+    local_name,
     reopen_path,
     sweep_orphans,
 )
@@ -39,6 +40,11 @@ EVICT_LOCK = ".evict.lock"
 _EVICT_LOCK_TIMEOUT_S = 30.0
 _TRIM_WAIT_S = 1.0
 _YIELD_S = 0.005  # a file made ahead waits this long for a download's reservation
+# A reader's reservation on a full disk tries again after these pauses (doubling) while
+# something may be freed, and gives up when nothing in the cache moved for _FULL_STALL_S.
+_FULL_RETRY_S = 0.02
+_FULL_RETRY_MAX_S = 0.25
+_FULL_STALL_S = 30.0
 # How far a reservation's first try got (ChunkStore._try_now).
 _CREATED = "created"  # the file exists, not admitted (the eviction lock was busy)
 _ADMITTED = "admitted"  # admitted, not preallocated (the disk was full for it)
@@ -54,7 +60,9 @@ class ChunkStore:
           in this boot or known on the disk; any other is checked again first
           (:meth:`restamp`), see :mod:`.stamp`.
         * The store reads, counts and removes only what the cache created: dataset
-          directories holding the marker, and in them chunk and temporary names.
+          directories holding the marker, and in them chunk and temporary names. Every
+          file it writes has such a name, whatever the index calls the chunk: its local
+          name (:func:`.layout.local_name`), which :meth:`path` gives.
         * A pinned chunk is never evicted: a pin holds a shared flock on the file, and the
           evictor removes only files it can lock exclusively without blocking.
         * Eviction keeps the cache's bytes (all datasets) within the budget: the smaller of
@@ -127,6 +135,9 @@ class ChunkStore:
         self._ready: dict[str, TempFile] = {}  # made ahead, not taken yet (reserve_ahead)
         self._demands = 0  # reservations (not made ahead) waiting for the eviction mutex
         self._closed = False
+        # Called on a full disk (any thread): this process's readers drop the mappings of
+        # chunks they gave back (an evicted chunk's blocks stay taken while mapped).
+        self.shed: Callable[[], object] | None = None
         self._ensure_layout()
         # This boot's id when chunks are stamped rather than fsynced (see .stamp).
         self.stamp: bytes | None = (
@@ -165,11 +176,12 @@ class ChunkStore:
 
     # -- paths ---------------------------------------------------------------------------
     def path(self, name: str) -> Path:
-        """Where chunk ``name`` lives once published."""
-        return self.root / name
+        """Where chunk ``name`` (as the index names it) lives once published: under its
+        local name (:func:`.layout.local_name`), which the cache counts and evicts."""
+        return self.root / local_name(name)
 
     def lock_path(self, name: str) -> str:
-        return str(self.root / LOCK_DIR / f"{name}.lock")
+        return str(self.root / LOCK_DIR / f"{local_name(name)}.lock")
 
     def is_cached(self, name: str, size: int | None = None) -> bool:
         """True when ``name`` is published (and has ``size`` bytes, when given), and may be
@@ -363,11 +375,76 @@ class ChunkStore:
         once more; failing that the file and its record are removed.
         ``ahead``: a prefetch nobody waits for yet; under a plan it may be deferred.
 
+        A full disk fails a prefetch softly (:class:`.plan.Deferred`), never a reader. A
+        reservation a reader waits for that finds the disk full even after evicting marks
+        the cache under pressure (:mod:`.pressure`: every process of the node stops
+        making files ahead and releases those it made, and defers its prefetches), drops
+        this process's files made ahead, and tries again while another process's
+        download or pin may still free something and the cache keeps moving (bounded:
+        ``lock_timeout_s`` in all, and a while without anything moving).
+
         Raises:
-            Deferred: ``ahead`` and the node's prefetch room is full now.
+            Deferred: ``ahead`` and the node's prefetch room is full now, or the disk is.
             DiskFullError: the filesystem cannot take ``size`` more bytes even after
-                evicting every unpinned chunk (names the directory).
+                evicting every unpinned chunk and dropping what was reserved ahead
+                (names the directory, and what holds its disk).
         """
+        if self.pressed():
+            if ahead:
+                raise Deferred(name)  # a reader found the disk full moments ago
+            if self._ready:
+                await self.release_ahead(frozenset())
+            self._shed()
+        try:
+            return await self._reserve(name, size, ahead=ahead)
+        except DiskFullError as exc:
+            if ahead:
+                raise Deferred(name) from exc  # the download starts when a reader asks
+        return await self._reserve_when_freed(name, size)
+
+    async def _reserve_when_freed(self, name: str, size: int) -> TempFile:
+        """:meth:`reserve` of ``size`` bytes a reader waits for, on a disk found full:
+        mark the pressure, drop the files made ahead and the mappings this process's
+        readers are done with (:attr:`shed`), and try again as long as something may
+        still be freed by waiting and the cache moves (see :mod:`.pressure`)."""
+        loop = asyncio.get_running_loop()
+        start = moved = loop.time()
+        last: tuple[object, ...] | None = None
+        delay = _FULL_RETRY_S
+        while True:
+            pressure.press(self.cache_dir)
+            await self.release_ahead(frozenset())
+            self._shed()
+            with contextlib.suppress(DiskFullError):
+                return await self._reserve(name, size, ahead=False)
+            pinned = [str(self.path(n)) for n in self.pinned()]
+            held = await in_thread(pressure.holding, self.cache_dir, self.root, pinned)
+            now = loop.time()
+            if held.state != last:
+                last, moved = held.state, now
+            if (
+                not held.may_free
+                or now - moved > _FULL_STALL_S
+                or now - start > self.lock_timeout_s
+            ):
+                raise pressure.full_error(self.root, size, held)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _FULL_RETRY_MAX_S)
+
+    def pressed(self) -> bool:
+        """A reader of the node found the disk full moments ago (see :mod:`.pressure`)."""
+        return pressure.pressed(self.cache_dir)
+
+    def _shed(self) -> None:
+        hook = self.shed
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # a hint to free space: never the reservation's failure
+                log.debug("asynccache: dropping mappings on a full disk failed", exc_info=True)
+
+    async def _reserve(self, name: str, size: int, *, ahead: bool) -> TempFile:
+        """One try of :meth:`reserve` (DiskFullError when even evicting makes no room)."""
         tmp, state = await self._first_try(name, size, ahead=ahead, spare=False)
         try:
             if state == _CREATED:  # the lock was busy: queue for it
@@ -417,13 +494,11 @@ class ChunkStore:
         lock. Returns the file and how far it got (:data:`_CREATED`, :data:`_ADMITTED`,
         :data:`_ALLOCATED`: the disk was full for it, the caller retries)."""
         policy = self.policy
-        if (
-            ahead
-            and policy is not None
-            and not policy.fits_whole(self.max_cache_bytes)
-            and self._deferred(name, size, self._peek_ledger())
-        ):
-            raise Deferred(name)  # no file made for nothing (the lock decides later)
+        if ahead and policy is not None:
+            ledger = self._peek_ledger()
+            budget = self._budget_hint(ledger)
+            if not policy.fits_whole(budget) and self._deferred(name, size, ledger, budget):
+                raise Deferred(name)  # no file made for nothing (the lock decides later)
         tmp = self._create(name, size)
         try:
             if spare and self._demands:
@@ -515,20 +590,26 @@ class ChunkStore:
         journal commit in flight) then overlap the downloads before it. Only into room
         the cache has now (nothing is evicted for it), and never under a plan whose
         dataset does not fit the budget (there the plan's prefetch room decides what is
-        fetched ahead). True when a file for ``name`` is ready; False when none could be
-        made now (no room, a full disk: the download's own reservation then evicts or
-        reports it).
+        fetched ahead). Never the last room on the disk: the file system keeps room for
+        a download of the same size beside it, and none is made while the cache is under
+        pressure (see :mod:`.pressure`). True when a file for ``name`` is ready; False when
+        none could be made now (no room, a full disk: the download's own reservation then
+        evicts or reports it).
         """
         if name in self._ready:
             return True
         if self._closed:
             return False
+        if self.pressed():
+            # A reader found the disk full: what was made ahead goes, and nothing more.
+            await self.release_ahead(frozenset())
+            return False
+        ledger = self._peek_ledger()
         policy = self.policy
-        if policy is not None and not policy.fits_whole(self.max_cache_bytes):
+        if policy is not None and not policy.fits_whole(self._budget_hint(ledger)):
             # The plan's prefetch room decides what is fetched ahead: a file made for a
             # chunk past the window would count there as fetched and hold back the window.
             return False
-        ledger = self._peek_ledger()
         if (
             ledger is not None
             and ledger.trusted(time.time())
@@ -668,11 +749,20 @@ class ChunkStore:
         if room >= self.max_cache_bytes:
             return self.max_cache_bytes  # (no scan needed: the disk is no limit)
         used, _ = usage.scan(self.cache_dir, self.root)
-        return max(0, min(self.max_cache_bytes, used + room))
+        return self._budget_of(used, room)
 
     def fits(self, nbytes: int) -> bool:
         """``nbytes`` fit in :meth:`budget` (a whole dataset, a plan's minimum)."""
         return nbytes <= self.budget()
+
+    def disk_bytes(self) -> int:
+        """The most this cache could ever hold on its file system: its size less the
+        margin kept free (:func:`.usage.fs_capacity`)."""
+        try:
+            return usage.fs_capacity(self.cache_dir)
+        except FileNotFoundError:
+            self._ensure_layout()
+            return usage.fs_capacity(self.cache_dir)
 
     def _room(self) -> int:
         """What the filesystem can still take, less the margin (rebuilds a deleted dir)."""
@@ -690,10 +780,15 @@ class ChunkStore:
         settled = usage.settle(fd, self.cache_dir)
         ledger = settled.ledger
         now = time.time()
-        if ahead and self._deferred(name, size, ledger):
-            raise Deferred(name)
         # What the filesystem can take, less what is admitted and not allocated yet.
         room = self._room() - settled.unallocated
+        if ahead and self.policy is not None:
+            if ledger is not None and ledger.trusted(now):
+                used = ledger.used
+            else:
+                used = self._scan(settled)
+            if self._deferred(name, size, ledger, self._budget_of(used, room)):
+                raise Deferred(name)
         if (
             ledger is not None
             and ledger.trusted(now)
@@ -706,22 +801,45 @@ class ChunkStore:
             count, at = 0, now
         self._admit_locked(fd, tmp, settled.pending, used + size, count, at)
 
-    def _deferred(self, name: str, size: int, ledger: usage.Ledger | None) -> bool:
+    def _deferred(self, name: str, size: int, ledger: usage.Ledger | None, budget: int) -> bool:
         """A prefetch of ``name`` waits: under a plan whose dataset does not fit the
-        budget, the node's prefetch room cannot take it now."""
+        budget (``budget``: the setting, or less where the file system holds less), the
+        node's prefetch room cannot take it now."""
         policy = self.policy
         return (
             policy is not None
-            and not policy.fits_whole(self.max_cache_bytes)
+            and not policy.fits_whole(budget)
             # The whole cache, this chunk included, within the prefetch room: so is what
             # this dataset has fetched ahead (no need to look).
             and not (
                 ledger is not None
                 and ledger.trusted(time.time())
-                and ledger.used + size <= self.max_cache_bytes - policy.min_bytes
+                and ledger.used + size <= budget - policy.min_bytes
             )
-            and not policy.admits(name, size, usage.present(self.root), self.max_cache_bytes)
+            and not policy.admits(local_name(name), size, usage.present(self.root), budget)
         )
+
+    def _budget_of(self, used: int, room: int) -> int:
+        """The budget, the cache holding ``used`` bytes and its file system ``room`` more:
+        ``max_cache_bytes``, or less where the file system holds less. Prefetching plans
+        with it: on a disk smaller than the setting, bytes fetched ahead would take the
+        room a reader's download needs."""
+        return max(0, min(self.max_cache_bytes, used + room))
+
+    def _budget_hint(self, ledger: usage.Ledger | None) -> int:
+        """:meth:`_budget_of` as far as the shared ledger (read without the lock) says:
+        a hint, the lock decides."""
+        if ledger is None:
+            return self.max_cache_bytes
+        try:
+            room = self._room()
+        except OSError:
+            return self.max_cache_bytes
+        return self._budget_of(ledger.used, room)
+
+    def _scan(self, settled: usage.Settled) -> int:
+        """Bytes the cache holds (a full scan; the pending reservations at their sizes)."""
+        return usage.scan(self.cache_dir, self.root, usage.by_inode(settled.pending))[0]
 
     def _peek_ledger(self) -> usage.Ledger | None:
         """The ledger as it stands, read without the lock (a hint: the lock decides)."""
@@ -757,7 +875,8 @@ class ChunkStore:
         else:
             used, _ = usage.scan(self.cache_dir, self.root, usage.by_inode(settled.pending))
             count, at = 0, now
-        if used + size > limit or size > room:
+        # A file made ahead never takes the last room: a download of its size still fits.
+        if used + size > limit or 2 * size > room:
             if count == 0:
                 usage.write_ledger(fd, used, count, at)  # a fresh scan: keep it
             raise Deferred(name)
@@ -892,6 +1011,7 @@ class ChunkStore:
         self._pins = {}
         self._reached = {}
         self._ready = {}
+        self.shed = None  # the parent's readers
 
 
 def _release_locked(fd: int, tmps: list[TempFile], cache_dir: Path) -> None:

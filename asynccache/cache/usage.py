@@ -1,8 +1,9 @@
 """How many bytes the cache holds and how many it may hold: scan, ledger, free space.
 
 * :func:`scan` walks only what the cache owns: the dataset directories that hold the
-  marker (:data:`.layout.DATASET_MARKER`), and in them only chunk names and our temporary
-  names. Nothing else under ``cache_dir`` is read, counted or removed.
+  marker (:data:`.layout.DATASET_MARKER`), and in them only chunk names (every chunk's
+  :func:`.layout.local_name` is one) and our temporary names. Nothing else under
+  ``cache_dir`` is read, counted or removed.
 * The *ledger* is a one-line record in ``<cache_dir>/.evict.lock``, read and written only
   by a holder of that file's exclusive flock: the bytes the cache holds as of the last
   full scan plus every reservation since. Reservations trust it for a bounded number of
@@ -47,6 +48,7 @@ __all__ = [
     "Pending",
     "Settled",
     "by_inode",
+    "fs_capacity",
     "fs_free",
     "fs_room",
     "margin",
@@ -129,7 +131,8 @@ def scan(
 
 
 def present(root: str | os.PathLike[str]) -> set[str]:
-    """The chunk names in one dataset directory: published, or being downloaded."""
+    """The chunks' local names (:func:`.layout.local_name`) in one dataset directory:
+    published, or being downloaded."""
     names: set[str] = set()
     try:
         with os.scandir(root) as it:
@@ -152,6 +155,14 @@ def fs_free(directory: str | os.PathLike[str]) -> int:
     """Bytes an unprivileged writer can still allocate on ``directory``'s filesystem."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
+
+
+def fs_capacity(directory: str | os.PathLike[str]) -> int:
+    """The most the cache could hold on ``directory``'s filesystem: its size less
+    :func:`margin` (with nothing else on it)."""
+    st = os.statvfs(directory)
+    size = st.f_blocks * st.f_frsize
+    return size - margin(size)
 
 
 def fs_room(directory: str | os.PathLike[str]) -> int:

@@ -154,6 +154,10 @@ def _verify_seal(data: bytes, doc: dict[str, Any], where: str) -> bool:
     return True
 
 
+#: The longest chunk file name, in bytes, that a file system takes.
+NAME_MAX = 255
+
+
 def check_filename(name: Any, where: str) -> str:
     """Refuse anything but a plain file name inside the dataset directory."""
     if not isinstance(name, str) or not name:
@@ -165,9 +169,15 @@ def check_filename(name: Any, where: str) -> str:
         or posixpath.normpath(name) != name
         or name in (".", "..")
         or ":" in name
+        or "\0" in name
     ):
         raise UnsafePathError(
             f"{where}: chunk filename {name!r} points outside the dataset directory"
+        )
+    if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX:
+        raise BadIndexError(
+            f"{where}: chunk filename {name[:48]!r}... is longer than a file name may be "
+            f"({NAME_MAX} bytes)"
         )
     return name
 

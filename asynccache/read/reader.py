@@ -209,8 +209,15 @@ class Reader:
         self._verified: set[int] = set()
         self._lock = threading.Lock()
         self._ranged = ranged
+        self._follow_source()
         self._reset_early()
         forksafe.register(self)
+
+    def _follow_source(self) -> None:
+        # The source may ask for mappings it gave back to be dropped (a full disk).
+        add = getattr(self._ranged, "add_reader", None)
+        if add is not None:
+            add(self)
 
     def _reset_early(self) -> None:
         """A new epoch (or process): range reads allowed again, up to the budget."""
@@ -510,6 +517,7 @@ class Reader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._follow_source()
         self._reset_early()  # a new process reads its first items by range again
         forksafe.register(self)
 

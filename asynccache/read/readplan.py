@@ -7,7 +7,8 @@ reads this epoch and the next (:mod:`asynccache.sampling.runs`), and:
 
 * gives the chunk store a :class:`~asynccache.cache.plan.PlanPolicy`: plan-aware eviction
   and a node-wide prefetch room;
-* checks the budget against the plan's minimum, and raises :class:`ConfigError` below it;
+* checks the budget against the plan's minimum, and raises :class:`ConfigError` below it
+  (:class:`DiskFullError` where the cache's file system is smaller than the minimum);
 * as this reader starts each chunk, records its position on the board, unpins the chunks
   it is done with (its reader may keep their mappings a while: the bytes are never read
   again through them), and hints the downloader with the chunks it reads next.
@@ -28,8 +29,9 @@ from typing import Protocol
 import numpy as np
 
 from ..cache.board import Board, board_path
+from ..cache.layout import local_name
 from ..cache.plan import EpochPlan, PlanPolicy, Stream
-from ..errors import ConfigError
+from ..errors import ConfigError, DiskFullError
 from ..format import Index
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, Segment
@@ -305,7 +307,7 @@ class ReadPlan:
         self.variant = spec.variant(plans.total)
         self.board = Board(board_path(root, spec.key(index.checksum)), spec.readers)
         self.policy = PlanPolicy(
-            [index.filename(c) for c in range(index.num_chunks)],
+            [local_name(index.filename(c)) for c in range(index.num_chunks)],
             plans,
             epoch=spec.epoch,
             variant=self.variant,
@@ -434,3 +436,23 @@ def min_budget_message(url: str, budget: int, policy: PlanPolicy, spec: EpochSpe
 def raise_if_below(url: str, budget: int, policy: PlanPolicy, spec: EpochSpec) -> None:
     if budget < policy.min_bytes:
         raise ConfigError(min_budget_message(url, budget, policy, spec))
+
+
+def raise_if_disk_below(
+    url: str, cache_dir: str, capacity: int, policy: PlanPolicy, spec: EpochSpec
+) -> None:
+    """Refuse, before the epoch starts, a plan whose readers cannot hold what they read at
+    once on the cache's file system even with nothing else on it (``capacity``: its size
+    less the margin kept free): they would stop mid-epoch, each waiting for room the
+    others hold."""
+    if capacity < policy.min_bytes:
+        mib = 1 << 20
+        raise DiskFullError(
+            f"{url}: the file system of the cache dir {cache_dir} holds {capacity} bytes "
+            f"({capacity / mib:.1f} MiB), less than the {policy.min_bytes} bytes "
+            f"({policy.min_bytes / mib:.1f} MiB) that {spec.readers} readers ({spec.world} "
+            f"ranks x {spec.num_workers} workers) sharing this node's cache read at once "
+            f"(what each reader reads at once plus the chunks two readers share). Give the "
+            f"cache a larger file system (ASYNCCACHE_CACHE_DIR), or read with fewer workers "
+            f"or a smaller shuffle_window"
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import weakref
@@ -27,6 +28,7 @@ import numpy as np
 
 from ..bridge import forksafe, get_loop_thread
 from ..cache import indexfile
+from ..cache.layout import check_chunk_names
 from ..cache.store import ChunkStore
 from ..config import Settings
 from ..download.connection import Connection
@@ -45,7 +47,7 @@ from ..errors import (
 from ..format import INDEX_NAME, ChunkEntry, Index
 from ..format.index import IndexMeta
 from ..storage import open_storage
-from .readplan import EpochSpec, PlanCache, ReadPlan, raise_if_below
+from .readplan import EpochSpec, PlanCache, ReadPlan, raise_if_below, raise_if_disk_below
 
 # Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
 # made ahead, so their downloads start without a reservation (Downloader._make_ahead).
@@ -121,6 +123,7 @@ class DatasetSource:
         self._plans: PlanCache | None = None
         self._follow: ReadPlan | None = None
         self._follow_pid = 0
+        self._readers: weakref.WeakSet[Any] = weakref.WeakSet()  # see add_reader
         forksafe.register(self)
         self.index = self._read_index()
 
@@ -146,6 +149,7 @@ class DatasetSource:
                     # transient as a reset: fetch them again.
                     got = await asyncio.to_thread(indexfile.load_fetched, data, url)
                     if isinstance(got, Index):
+                        check_chunk_names(got, url)
                         return got
                     indexfile.check_sidecar_size(got, storage.object_url(got.sidecar))
                     return await self._fetch_sidecar(conn, got)
@@ -242,6 +246,8 @@ class DatasetSource:
                     durable=self.settings.durable,
                     stamps=not self.settings.fsync_publish,
                 )
+                # Weakly: the store outlives this source in the I/O thread's connections.
+                store.shed = functools.partial(_shed_weakly, weakref.ref(self))
                 conn.attach(store, Downloader(conn.storage, store, self.settings))
             assert conn.downloader is not None
             return conn.downloader
@@ -249,8 +255,10 @@ class DatasetSource:
     def close(self) -> None:
         """Release the HTTP session, pins and downloads of this process. Idempotent.
 
-        Waits (bounded by ``timeout_s``) for the publishes of chunks this process read
-        before their publish ended, so what it read is in the cache once this returns;
+        Closes the descriptors it holds here (the plan's board, pins, the session's
+        sockets). Waits (bounded by ``timeout_s``) for the publishes of chunks this
+        process read before their publish ended, so what it read is in the cache once
+        this returns;
         not for the session to finish closing (the I/O thread does that). A closed source
         opens a new connection if it is used again. Garbage collection and interpreter
         exit close it too.
@@ -258,6 +266,9 @@ class DatasetSource:
         self.wait_published()
         with self._mu:
             self._slot.close()
+            follow = self._follow if self._follow_pid == os.getpid() else None
+        if follow is not None:
+            follow.close()  # its board's descriptor (opened again if the plan goes on)
 
     def wait_published(self) -> bool:
         """Wait (bounded by ``timeout_s``) for the publishes of chunks this process read
@@ -323,6 +334,32 @@ class DatasetSource:
             "download; ASYNCCACHE_MAX_CACHE_BYTES is too small",
             url=self.url,
         )
+
+    def add_reader(self, reader: Any) -> None:
+        """``reader`` (a :class:`~asynccache.read.reader.Reader` of this source) maps what
+        :meth:`acquire` gives it: on a full disk this source asks it (``reader.release``)
+        to drop its mappings of the chunks it gave back early (see :meth:`shed`). Held
+        weakly."""
+        self._readers.add(reader)
+
+    def shed(self) -> int:
+        """The disk is full: have this process's readers drop their mappings of the chunks
+        they are done with and gave back early (an evicted chunk's blocks stay taken while
+        a mapping of it lives). Safe from any thread; returns how many were dropped."""
+        conn = self._live()
+        if conn is None or not self._readers:
+            return 0
+        with self._mu:
+            names = [name for name, count in conn.released_early.items() if count > 0]
+        dropped = 0
+        for name in names:
+            ci = self.index.chunk_number(name)
+            if ci is None:
+                continue
+            for reader in list(self._readers):
+                reader.release(ci)  # gives the early release back through release()
+                dropped += 1
+        return dropped
 
     def release(self, ci: int) -> None:
         """Undo one :meth:`acquire` (no-op for local datasets)."""
@@ -416,27 +453,10 @@ class DatasetSource:
         Raises:
             ConfigError: the cache budget is below the plan's minimum (the message says
                 the minimum).
+            DiskFullError: the cache's file system is smaller than that minimum.
         """
         if not self.remote:
             return
-        spec = EpochSpec(
-            epoch=epoch,
-            seed=seed,
-            shuffle=shuffle,
-            window=window,
-            remaining=remaining,
-            received=received,
-            world=world,
-            rank=rank,
-            num_workers=num_workers,
-            worker=worker,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            subsample=subsample,
-            epoch_size=epoch_size,
-            units=units,
-            view=view,
-        )
         conn = self._connect()
         dl = self._downloader_of(conn)
         with self._mu:
@@ -447,6 +467,9 @@ class DatasetSource:
                 plans.follow(spec)
             follow = ReadPlan(self.index, spec, plans, str(dl.store.root), skipped)
             raise_if_below(self.url, dl.store.max_cache_bytes, follow.policy, spec)
+            raise_if_disk_below(
+                self.url, str(dl.store.cache_dir), dl.store.disk_bytes(), follow.policy, spec
+            )
             old, self._follow, self._follow_pid = self._follow, follow, os.getpid()
             dl.store.policy = follow.policy
         if old is not None:
@@ -482,6 +505,8 @@ class DatasetSource:
             upcoming = follow.upcoming(want)
         for name in done:
             dl.store.unpin(name)
+        if dl.store.pressed():
+            self.shed()  # a reader of the node found the disk full: what is done goes
         dl.hint([self.spec(c) for c in upcoming])
 
     @property
@@ -518,7 +543,7 @@ class DatasetSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_mu", "_slot", "_finalizer"):
+        for k in ("_mu", "_slot", "_finalizer", "_readers"):
             del state[k]
         state["_plans"] = state["_follow"] = None  # this process's; a copy plans anew
         state.pop("_held_hint", None)
@@ -527,12 +552,19 @@ class DatasetSource:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mu = threading.Lock()
+        self._readers = weakref.WeakSet()
         self._slot = _Slot()
         self._finalizer = _finalizer(self, self._slot)
         forksafe.register(self)
 
     def __repr__(self) -> str:
         return f"DatasetSource({self.url!r}, items={self.index.total_items})"
+
+
+def _shed_weakly(ref: weakref.ref[DatasetSource]) -> None:
+    source = ref()
+    if source is not None:
+        source.shed()
 
 
 def _finalizer(source: DatasetSource, slot: _Slot) -> weakref.finalize:

@@ -12,6 +12,7 @@ import xxhash
 from dl_support import DictStorage
 
 from asynccache.cache import ChunkStore
+from asynccache.cache.layout import local_name
 from asynccache.config import Settings
 from asynccache.download import ChunkSpec, Downloader, prefetch_dataset
 from asynccache.errors import (
@@ -57,7 +58,9 @@ def _make(tmp_path, lt, objects, **kw):
 
 
 def _files(store: ChunkStore) -> list[str]:
-    return sorted(p.name for p in store.root.iterdir() if p.is_file())
+    # The store names a chunk's file itself (local_name): back to the names used here.
+    back = {local_name(f"c{i}.bin"): f"c{i}.bin" for i in range(64)}
+    return sorted(back.get(p.name, p.name) for p in store.root.iterdir() if p.is_file())
 
 
 def _published(store: ChunkStore) -> list[str]:
