@@ -25,21 +25,24 @@ How the slots are dealt (all a pure function of the counts, ``seed`` and ``epoch
 
 Schedules (:class:`Schedule`, :class:`ScheduledMix`): the weights change with the
 consumer's *step* (:mod:`.steps`: one batch of one data-parallel rank, counted across
-epochs). A step's slots are where the rank split puts them, so the deal follows the
-:class:`~.steps.Layout` (DP size ``W``, ``b`` slots a step, the split's and the consumer's
-``drop_last``): with ``M`` slots, ``n`` of them a rank and ``B`` steps an epoch, rank ``r``
-reads slots ``[r n, (r+1) n)`` and its batch ``t`` is slots ``[r n + t b, r n + (t+1) b)``,
-which take the weights of global step ``e B + t`` in epoch ``e``. (Slots of no delivered
-step, a short last batch the consumer drops or the tail the split drops, take the weights
-of the epoch's last step; they are never read.) Within each rank block, the slots of
-consecutive steps of equal weights form a *piece*; a piece of ``L`` slots gives stream
-``s`` exactly its largest-remainder share of ``L`` by the weights (``stratified``: of each
+epochs). A step's slots are where the split puts them (:mod:`.partition`), so the deal
+follows the :class:`~.steps.Layout` (DP size ``W``, DataLoader workers ``K``, ``b`` slots a
+step, the split's and the consumer's ``drop_last``): with ``M`` slots, ``n`` of them a rank
+and ``B`` steps an epoch, rank ``r`` reads slots ``[r n, (r+1) n)``, cut into ``K``
+contiguous worker spans; batch ``j`` of worker ``k``'s span (``b`` slots) is the rank's
+step ``t = j K + k``, and its slots take the weights of global step ``e B + t`` in epoch
+``e``. (Slots of no delivered step, a short last batch the consumer drops or the tail the
+split drops, take the weights of the epoch's last step; they are never read. Padding
+repeats slots of the epoch's start, with their own weights.) Within each worker span,
+the slots of consecutive batches of equal weights form a *piece*; a piece of ``L`` slots
+gives stream ``s`` exactly its largest-remainder share of ``L`` by the weights (``stratified``: of each
 batch of the piece; a stream of weight 0 gets none) and is dealt inside as an unscheduled
 mix of those counts, seeded by ``(seed, epoch, piece)``. The ``k``-th sample of stream
 ``s`` over the pieces in slot order still reads position ``k`` of its own order: a
-contiguous range of slots is still a contiguous range of each stream's order, and each
-rank's batches at step ``S`` hold the weights of step ``S`` exactly, up to the rounding of
-one piece. The epoch's total is the unscheduled one (the weighted streams' lengths summed,
+contiguous range of slots is still a contiguous range of each stream's order. Each rank's
+batch at step ``S`` holds only streams the weights of step ``S`` give a share, and a run of
+steps of equal weights holds exactly its share (within it, proportions drift as in an
+unscheduled mix: by at most one deal block's rounding). The epoch's total is the unscheduled one (the weighted streams' lengths summed,
 or ``epoch_size``); how much each stream gives an epoch follows from the weights. An epoch
 keeps the layout it started with when it is resumed with another world size or batch size,
 so the resumed rest reads exactly what was left; the steps of that rest then meet the
@@ -58,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from .partition import worker_spans
 from .steps import Layout
 
 __all__ = [
@@ -456,25 +460,28 @@ class ScheduledMix:
         self.layout = layout
         steps = layout.steps(self.slots)
         n = layout.rank_samples(self.slots)
-        held = max(1, -(-n // layout.batch))  # steps of a rank block holding slots
+        held = -(-n // layout.batch)  # steps of a rank holding positions
         runs = schedule.pieces(epoch, epoch * steps, max(1, min(held, steps)))
         # Steps past the epoch's last delivered one take its weights (never read).
-        runs[-1] = (runs[-1][0], held, runs[-1][2])
+        runs[-1] = (runs[-1][0], max(held, runs[-1][1]), runs[-1][2])
+        nw, b = layout.workers, layout.batch
+        spans = worker_spans(n, nw, b) if n else []
         starts: list[int] = []
         counts: list[list[int]] = []
         blocks = min(layout.world, -(-self.slots // n)) if n else 0  # (those holding slots)
-        for r in [*range(blocks), layout.world]:
-            lo = r * n
-            hi = self.slots if r == layout.world else min(lo + n, self.slots)
-            if lo >= hi:
-                continue
-            block_runs = runs if r < layout.world else [(0, held, runs[-1][2])]
-            for t0, t1, w in block_runs:
-                a = lo + t0 * layout.batch
-                b = hi if t1 >= held or r == layout.world else min(lo + t1 * layout.batch, hi)
-                if a < b:
-                    starts.append(a)
-                    counts.append(self._piece_counts(b - a, w))
+        for r in range(blocks):
+            lo, length = r * n, min(n, self.slots - r * n)
+            for w, (s0, s1) in enumerate(spans):
+                # Batch j of worker w's span is step j * nw + w of the rank.
+                for t0, t1, wts in runs:
+                    j0, j1 = max(0, -(-(t0 - w) // nw)), max(0, -(-(t1 - w) // nw))
+                    a, e = max(s0, s0 + j0 * b), min(s1, length, s0 + j1 * b)
+                    if a < e:
+                        starts.append(lo + a)
+                        counts.append(self._piece_counts(e - a, wts))
+        if blocks * n < self.slots:  # the tail the split drops: never read
+            starts.append(blocks * n)
+            counts.append(self._piece_counts(self.slots - blocks * n, runs[-1][2]))
         self._starts = np.asarray([*starts, self.slots], dtype=np.int64)
         per = np.asarray(counts, dtype=np.int64).reshape(len(starts), self.streams)
         self._counts = per

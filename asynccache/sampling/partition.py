@@ -99,6 +99,12 @@ def _cut(segs: Sequence[Segment], start: int, end: int) -> list[Segment]:
     return out
 
 
+def worker_spans(n: int, num_workers: int, batch_size: int) -> list[tuple[int, int]]:
+    """Each worker's contiguous span of a rank block of ``n`` positions (batch ``p`` of the
+    rank is batch ``p // num_workers`` of worker ``p % num_workers``'s span)."""
+    return _worker_spans(n, num_workers, batch_size)
+
+
 def _worker_spans(n: int, num_workers: int, batch_size: int) -> list[tuple[int, int]]:
     """Each worker's contiguous span of the rank block ``[0, n)``.
 

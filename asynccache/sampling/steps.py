@@ -40,16 +40,22 @@ class Layout:
         drop_last: the rank split drops the positions that don't divide over the ranks
             (else it pads them, see :func:`~.partition.rank_block`).
         drop_short: the consumer drops a rank's short last batch.
+        workers: DataLoader workers a rank's positions are split over (the number of
+            steps does not depend on it; which positions a step holds does: each worker
+            reads a contiguous run of the rank's share, :func:`~.partition.plan`).
     """
 
     world: int
     batch: int
     drop_last: bool = False
     drop_short: bool = False
+    workers: int = 1
 
     def __post_init__(self) -> None:
-        if self.world < 1 or self.batch < 1:
-            raise ValueError(f"bad layout: world={self.world} batch={self.batch}")
+        if self.world < 1 or self.batch < 1 or self.workers < 1:
+            raise ValueError(
+                f"bad layout: world={self.world} batch={self.batch} workers={self.workers}"
+            )
 
     def rank_samples(self, total: int) -> int:
         """Positions each rank reads of a fresh epoch of ``total``."""

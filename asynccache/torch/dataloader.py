@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
+from ..sampling.steps import Skips
 from ..write.writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
@@ -46,6 +47,12 @@ STATE_VERSION = 1
 
 def _identity(batch: Any) -> Any:
     return batch
+
+
+def _close(it: Iterator[Any]) -> None:
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
 
 
 def _led(ds: EpochDataset, loader: DataLoader[Any]) -> Iterator[Any]:
@@ -110,6 +117,14 @@ class CacheDataLoader(DataLoader[Any]):
     its cache has merged, reads the rest of its order from the cache). A state taken
     before an epoch's first batch is that epoch's start; one taken after its last
     batch (with ``drop_last``: its last full batch) resumes with the next epoch.
+
+    Steps (streamed epochs; docs/parallelism.md): a step is one batch this loader
+    delivers, counted from epoch 0's first (each epoch has :attr:`steps_per_epoch`).
+    :meth:`seek` continues at any step's batch without reading the batches before it;
+    :meth:`skip` never delivers a range of steps (their samples are dropped for that
+    epoch), and the state remembers it. Over a dataset split over data-parallel ranks
+    (``data_parallel=`` / ``replication=``), batches, lengths and states count per DP
+    rank.
 
     Args:
         dataset: see above.
@@ -208,6 +223,7 @@ class CacheDataLoader(DataLoader[Any]):
         # Why streamed epochs collate items here instead of taking whole batches from the
         # workers (None: whole batches; set when the first streamed epoch starts).
         self.batch_fallback: str | None = None
+        self._skips = Skips()  # steps never delivered (see skip())
         self._check_matches()
 
     def _check_matches(self) -> None:
@@ -314,11 +330,20 @@ class CacheDataLoader(DataLoader[Any]):
             per_rank = -(-n // world.world_size)
         else:
             ds = self._streaming()
-            ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
+            self._configure(ds)
             per_rank = len(ds)
+        ahead = 0  # skipped steps still ahead in this epoch
+        if self._skips and not (self._owned or self._must_write()):
+            steps = ds.steps_per_epoch()
+            it = self._it
+            if r is None and it is not None and it.ended:  # the next iter() runs the next
+                first = self._epoch * steps
+                return steps - self._skips.count(first, first + steps)
+            first = ds.epoch * steps
+            ahead = self._skips.count(first + ds.batch_now(), first + steps)
         if self.drop_last:
-            return before + per_rank // self._bs
-        return before + -(-per_rank // self._bs)
+            return before + per_rank // self._bs - ahead
+        return before + -(-per_rank // self._bs) - ahead
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """Start the next epoch (or the loaded position) and return its batches.
@@ -326,6 +351,8 @@ class CacheDataLoader(DataLoader[Any]):
         Everything a checkpoint depends on is set up here, not at the first batch: a
         state taken between ``iter()`` and the first batch is the start of this epoch.
         """
+        if self._stream is not None:
+            self._stream.check_reads()
         resume, loaded = self._resume, self._loaded
         self._resume = self._loaded = None
         if self._it is not None:  # a superseded epoch counts nothing any more
@@ -380,7 +407,7 @@ class CacheDataLoader(DataLoader[Any]):
         """Position the dataset now (so a state taken before the first batch is right);
         the DataLoader starts at the first batch."""
         ds = self._streaming()
-        ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
+        self._configure(ds)
         loader = self._stream_loader
         if loader is None:
             self.batch_fallback = self._batch_fallback(ds)
@@ -390,6 +417,8 @@ class CacheDataLoader(DataLoader[Any]):
             ds.load_state_dict(resume["stream"])
         else:
             ds.set_epoch(epoch)
+        if not self._land(ds, epoch):  # the rest of this epoch is skipped
+            return iter(())
         if loader is None:
             if self.batch_fallback is None:
                 loader = self._loader(
@@ -406,8 +435,59 @@ class CacheDataLoader(DataLoader[Any]):
             if self.persistent_workers:
                 self._stream_loader = loader
             if self._leads(ds):
-                return _led(ds, loader)
-        return lazy(loader)
+                return self._skipping(ds, epoch, loader, _led(ds, loader))
+        return self._skipping(ds, epoch, loader, lazy(loader))
+
+    def _configure(self, ds: EpochDataset) -> None:
+        """Tell the dataset how this loader consumes it (what its steps are)."""
+        ds.batch_size, ds.num_workers = self._bs, max(1, self.num_workers)
+        ds.batch_drop_last = self.drop_last
+
+    def _land(self, ds: EpochDataset, epoch: int, at: int | None = None) -> bool:
+        """Move the dataset past the skipped steps the consumer stands at (step ``at``;
+        None: where the dataset's part starts); False when they reach past the end of
+        ``epoch``, which then delivers nothing more."""
+        if not self._skips:
+            return True
+        steps = ds.steps_per_epoch()
+        if at is None:
+            at = epoch * steps + ds.batch_now()
+        land = self._skips.landing(at)
+        if land == at or not steps:
+            return True
+        # Batches delivered so far in this epoch: what the dataset's new part follows.
+        it = self._it
+        self._part_base = it.received if it is not None and it.epoch == epoch else 0
+        # Past the epoch: the dataset stands at the next epoch's start (where a state
+        # taken now resumes); the next iter() runs it, landing again if need be.
+        ds.load_state_dict(ds.state_for_step(min(land, (epoch + 1) * steps)))
+        return land < (epoch + 1) * steps
+
+    def _skipping(
+        self, ds: EpochDataset, epoch: int, loader: DataLoader[Any], batches: Iterator[Any]
+    ) -> Iterator[Any]:
+        """``batches`` until the consumer reaches a skipped step; then the workers stop
+        and the epoch goes on from the first step after the skipped ones, or ends if
+        they reach past it. Skips added meanwhile count from the next batch."""
+        steps = ds.steps_per_epoch()
+        at = epoch * steps + ds.batch_now()
+        try:
+            while True:
+                if steps and self._skips.landing(at) != at:
+                    _close(batches)  # (its workers end here: the next part starts anew)
+                    if not self._land(ds, epoch, at):
+                        return
+                    at = epoch * steps + ds.batch_now()
+                    batches = lazy(loader)
+                    continue
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                at += 1
+                yield batch
+        finally:
+            _close(batches)
 
     def _leads(self, ds: EpochDataset) -> bool:
         """This epoch's first batches are built here while the new workers start (whole
@@ -558,7 +638,10 @@ class CacheDataLoader(DataLoader[Any]):
                 "cache directory to CacheDataLoader instead to stream it resumably"
             )
         if self._resume is not None and self._loaded is not None:
-            return copy.deepcopy(self._loaded)
+            loaded = copy.deepcopy(self._loaded)
+            if self._skips:  # (with any skip() since the load)
+                loaded["skips"] = self._skips.to_json()
+            return loaded
         it = self._it
         if it is None:  # no epoch started: the start of the next one
             if self._must_write():
@@ -571,15 +654,97 @@ class CacheDataLoader(DataLoader[Any]):
         return self._stream_state(epoch, received, self._part_base)
 
     def _base_state(self, epoch: int, batches: int, writing: bool) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "epoch": epoch,
             "batches": batches,
-            "world": distributed.current().world_size,
+            "world": self._world_size(),
             "num_workers": max(1, self.num_workers),
             "batch_size": self._bs,
             "writing": writing,
         }
+        if self._skips:  # (absent when none: a state without skips keeps its keys)
+            state["skips"] = self._skips.to_json()
+        return state
+
+    def _world_size(self) -> int:
+        """The ranks batches are counted over: a streamed dataset's data-parallel size."""
+        if self._stream is not None:
+            return self._stream.dp_rank_and_world()[1]
+        return distributed.current().world_size
+
+    # -- steps ---------------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches a whole streamed epoch has for the consumer of each (data-parallel)
+        rank, skipped ones included: step ``S`` is batch ``S % steps_per_epoch`` of epoch
+        ``S // steps_per_epoch``."""
+        ds = self._seekable()
+        return ds.steps_per_epoch()
+
+    def _seekable(self) -> EpochDataset:
+        if self._owned or self._must_write():
+            raise ConfigError(
+                "steps are batches of streamed epochs: this loader's next epoch writes the "
+                "cache (or its dataset fills its own Cache); seek and skip once the cache "
+                "is written, or stream it with a StreamingDataset"
+            )
+        ds = self._streaming()
+        self._configure(ds)
+        return ds
+
+    def state_for_step(self, step: int) -> dict[str, Any]:
+        """The state an uninterrupted run of this loader saves after ``step`` batches
+        (counted from epoch 0's first batch, skipped steps included; a step inside a
+        skipped range is the first after it). Reads nothing; its cost does not grow with
+        ``step``.
+
+        Raises:
+            ConfigError: a negative or non-integer step; a loader whose next epoch writes
+                the cache.
+        """
+        ds = self._seekable()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+        land = self._skips.landing(step)
+        stream = ds.state_for_step(land)
+        steps = ds.steps_per_epoch()
+        epoch = land // steps
+        delivered = land - epoch * steps - self._skips.count(epoch * steps, land)
+        state = self._base_state(epoch, delivered, False)
+        state["stream"] = stream
+        return state
+
+    def seek(self, step: int) -> None:
+        """Make the next ``iter()`` continue at step ``step``'s batch (see
+        :meth:`state_for_step`), as after ``load_state_dict``: without reading the
+        batches in between, at a cost that does not grow with ``step``."""
+        self.load_state_dict(self.state_for_step(step))
+
+    def skip(self, start_step: int, end_step: int) -> None:
+        """Never deliver the batches of steps ``[start_step, end_step)`` (the batches
+        around a loss spike, say): a consumer that reaches ``start_step`` gets
+        ``end_step``'s batch next (the workers restart there: nothing in between is
+        read). The skipped samples are dropped for their epoch, not read later; steps
+        keep their numbers. The range is part of :meth:`state_dict`, so a resumed run
+        skips it too, and a loaded state's ranges add to this loader's. Takes effect
+        from the next batch, also mid-epoch.
+
+        Raises:
+            ConfigError: not integers with ``0 <= start_step < end_step``.
+        """
+        for v in (start_step, end_step):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"skip() takes integer steps, got {v!r}")
+        try:
+            self._skips = self._skips.add(start_step, end_step)
+        except ValueError as exc:
+            raise ConfigError(f"skip({start_step}, {end_step}): {exc}") from exc
+
+    @property
+    def skips(self) -> list[tuple[int, int]]:
+        """The ranges of steps this loader never delivers (merged)."""
+        return list(self._skips.ranges)
 
     def _iterable_source(self) -> bool:
         """The writing epoch reads an ``IterableDataset`` (its order is its own)."""
@@ -610,7 +775,7 @@ class CacheDataLoader(DataLoader[Any]):
     def _stream_state(self, epoch: int, batches: int, base: int) -> dict[str, Any]:
         ds = self._streaming()
         nw = max(1, self.num_workers)
-        ds.batch_size, ds.num_workers = self._bs, nw
+        self._configure(ds)
         left = len(ds)  # what this rank had still to receive when the epoch (part) began
         received = min((batches - base) * self._bs, left)
         if self.drop_last and left - received < self._bs:
@@ -631,6 +796,7 @@ class CacheDataLoader(DataLoader[Any]):
             raise ResumeStateError("not a CacheDataLoader state")
         if self._owned:
             raise ResumeStateError("a dataset that fills its own Cache can't be resumed")
+        skips = self._loaded_skips(state)
         if state.get("writing"):
             resume = self._load_map_state(state)
         else:
@@ -642,7 +808,28 @@ class CacheDataLoader(DataLoader[Any]):
         if self._it is not None:  # the running epoch is over for the consumer
             self._it.close()
             self._it = None
+        self._skips = skips
         self._resume, self._loaded = resume, copy.deepcopy(state)
+
+    def _loaded_skips(self, state: dict[str, Any]) -> Skips:
+        """This loader's skipped ranges and those of ``state`` (checked: they count
+        batches of the state's world size and batch size, which must be this loader's)."""
+        raw = state.get("skips")
+        if raw is None:
+            return self._skips
+        try:
+            theirs = Skips.from_json(raw)
+        except ValueError as exc:
+            raise ResumeStateError(f"the state's skips: {exc}") from exc
+        got = (state.get("world"), state.get("batch_size"))
+        want = (self._world_size(), self._bs)
+        if theirs and got != want:
+            raise ResumeStateError(
+                f"the state skips steps {theirs.to_json()} counted in batches of (world "
+                f"size, batch size) {got}; this loader has {want}, whose steps are other "
+                "batches: resume with the same data-parallel size and batch size"
+            )
+        return self._skips.union(theirs)
 
     def _load_map_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Check a writing-epoch state against this loader; where the next iter() goes.

@@ -1,14 +1,17 @@
-"""Where this process sits: rank and world size, DataLoader worker id and count."""
+"""Where this process sits: rank and world size, DataLoader worker id and count, and the
+data-parallel rank it reads as (:class:`DataParallel`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
 from ..config import launch_env
 from ..errors import ConfigError
+from ..sampling.groups import check_dp, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +41,12 @@ def rank_and_world() -> tuple[int, int]:
 def current(num_workers: int | None = None, captured: tuple[int, int] | None = None) -> World:
     """This process's place. ``num_workers`` is the loader's count when called outside one.
 
-    Inside a DataLoader worker, ``captured`` (the rank and world size the main process
-    saw) wins over what the worker can see itself.
+    ``captured`` (the rank and world size a dataset reads as, which its main process
+    worked out: the data-parallel ones) wins over what the process can see itself; a
+    DataLoader worker can't see the process group.
     """
     info = get_worker_info()
-    if info is not None and captured is not None:
+    if captured is not None:
         rank, size = captured
     else:
         rank, size = rank_and_world()
@@ -72,3 +76,95 @@ def broadcast(value: object) -> object:
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return value
+
+
+class DataParallel:
+    """How a dataset finds the data-parallel rank and size it reads as.
+
+    Exactly one of (or none: every global rank reads its own part):
+
+    * ``data_parallel=(dp_rank, dp_size)``: given;
+    * ``data_parallel=group``: a ``torch.distributed`` process group of the ranks that
+      read *different* data (this rank's data-parallel group): its rank and size;
+    * ``replication=k``: consecutive groups of ``k`` global ranks read the same data
+      (:func:`~asynccache.sampling.groups.replicated`).
+
+    Resolved in the process that holds the process group (the main process); DataLoader
+    workers get the result through the dataset's published plan. The group itself is
+    not pickled (a worker never needs it).
+
+    Raises:
+        ConfigError: both given, a malformed pair, a bad ``replication``.
+    """
+
+    def __init__(self, data_parallel: Any = None, replication: int | None = None) -> None:
+        self.pair: tuple[int, int] | None = None
+        self.group: Any = None
+        self.replication = replication
+        if data_parallel is not None and replication is not None:
+            raise ConfigError(
+                "give data_parallel= or replication=, not both (replication=k is "
+                "data_parallel=(rank // k, world // k))"
+            )
+        if isinstance(data_parallel, (tuple, list)):
+            if len(data_parallel) != 2:
+                raise ConfigError(
+                    f"data_parallel must be (dp_rank, dp_size) or a process group, got "
+                    f"{data_parallel!r}"
+                )
+            try:
+                self.pair = check_dp(data_parallel[0], data_parallel[1])
+            except ValueError as exc:
+                raise ConfigError(f"data_parallel: {exc}") from exc
+        elif data_parallel is not None:
+            group_type = getattr(dist, "ProcessGroup", None)
+            if group_type is None or not isinstance(data_parallel, group_type):
+                raise ConfigError(
+                    "data_parallel must be (dp_rank, dp_size) or a torch.distributed "
+                    f"process group, got {type(data_parallel).__name__}"
+                )
+            self.group = data_parallel
+        if replication is not None:
+            try:
+                replicated(0, replication, replication)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+
+    @property
+    def given(self) -> bool:
+        """Something other than the global rank decides (a pair, a group, replication)."""
+        return self.pair is not None or self.group is not None or self.replication is not None
+
+    def resolve(self) -> tuple[int, int]:
+        """This process's data-parallel ``(rank, size)`` now.
+
+        Raises:
+            ConfigError: a group without an initialised process group or that this rank
+                is not a member of; a world that ``replication`` doesn't divide.
+        """
+        if self.pair is not None:
+            return self.pair
+        if self.group is not None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(
+                    "data_parallel=<process group> needs torch.distributed initialised"
+                )
+            rank = dist.get_rank(self.group)
+            if rank < 0:
+                raise ConfigError(
+                    f"this rank ({dist.get_rank()}) is not a member of the data_parallel "
+                    "process group; pass each rank its own data-parallel group"
+                )
+            return rank, dist.get_world_size(self.group)
+        rank, world = rank_and_world()
+        if self.replication is not None:
+            try:
+                return replicated(rank, world, self.replication)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+        return rank, world
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["group"] = None  # (resolved in the main process; a worker has no group)
+        return state

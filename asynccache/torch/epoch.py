@@ -12,6 +12,12 @@ read, how a batch is built and how its source plans (the hooks at the end). Inva
 
 * the order of epoch ``e`` is a pure function of the dataset, its order settings and
   ``e``; which positions a worker reads is a pure function of the published plan;
+* the epoch is split over *data-parallel* ranks (:class:`~.distributed.DataParallel`):
+  ranks that play one DP rank (a tensor-parallel group) read the same positions and save
+  equal states;
+* a step (one batch of the consumer) is a position of a few integers
+  (:mod:`asynccache.sampling.steps`): a state for step ``S`` costs nothing that grows with
+  ``S`` (:meth:`EpochDataset.state_for_step`);
 * ``received`` in a state counts what the consumer received, never what was prefetched;
 * every process that is not one of this dataset's DataLoader workers owns its shared
   block (:meth:`SharedEpoch.own`).
@@ -30,10 +36,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..bridge import lifeline
 from ..config import Settings
-from ..errors import ResumeStateError
+from ..errors import ConfigError, ResumeStateError
 from ..read.batchread import Form
 from ..sampling import Plan, Segment, plan
 from ..sampling.progress import Progress, worker_part
+from ..sampling.steps import Layout
 from . import batches, distributed
 from .lead import FirstBatches, lead_runs
 from .shared_epoch import SharedEpoch
@@ -63,19 +70,43 @@ class EpochDataset(IterableDataset[Any]):
     ``torch.utils.data.DataLoader`` (also with ``persistent_workers=True``) or through
     ``CacheDataLoader`` (which also tracks what was consumed, for resume). Under
     ``torch.distributed`` every rank yields the same number of samples.
+
+    Args (shared by the datasets):
+        data_parallel: ``(dp_rank, dp_size)``, or the ``torch.distributed`` process group
+            of this rank's data-parallel peers: the epoch is split over these, and every
+            rank of one DP rank (a tensor- or sequence-parallel group) reads the same
+            batches in the same order. None: each global rank is its own DP rank.
+        replication: consecutive groups of this many global ranks read the same data
+            (instead of ``data_parallel``).
+        reads: False for a rank that reads no data (a pipeline stage after the first):
+            it fetches nothing, ``len()`` and states work, iterating it raises
+            ``ConfigError``.
     """
 
     shuffle: bool
     seed: int
 
-    def __init__(self, settings: Settings, drop_last: bool, batch_size: int, where: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        drop_last: bool,
+        batch_size: int,
+        where: str,
+        *,
+        data_parallel: Any = None,
+        replication: int | None = None,
+        reads: bool = True,
+    ) -> None:
         self.settings = settings
         self.drop_last = drop_last
+        self.reads = bool(reads)
+        self.data_parallel = distributed.DataParallel(data_parallel, replication)
         self._batch_size = batch_size
         self._num_workers: int | None = None  # set by CacheDataLoader; else from torch
+        self._batch_drop_last = False  # the consumer drops a short last batch
         self._progress = Progress()
         self._yielded = 0
-        self._rank_world = distributed.rank_and_world()
+        self._rank_world = self.data_parallel.resolve()
         # None: each worker yields items (the DataLoader collates them); else each worker
         # yields whole batches of batch_size (the value: drop a short last batch).
         self._batch_mode: bool | None = None
@@ -116,6 +147,19 @@ class EpochDataset(IterableDataset[Any]):
         if "shared_epoch" in self.__dict__:
             self._publish()
 
+    @property
+    def batch_drop_last(self) -> bool:
+        """The consumer drops a rank's short last batch (``CacheDataLoader``'s
+        ``drop_last``, which sets it): steps count the batches it receives."""
+        return self._batch_drop_last
+
+    @batch_drop_last.setter
+    def batch_drop_last(self, value: bool) -> None:
+        changed = self._batch_drop_last != bool(value)
+        self._batch_drop_last = bool(value)
+        if changed and "shared_epoch" in self.__dict__:
+            self._publish()
+
     def set_batch_mode(self, drop_last: bool | None) -> None:
         """Make the workers yield whole batches of ``batch_size`` (``drop_last``: drop a
         short last batch), or items (None). ``CacheDataLoader`` sets it."""
@@ -123,9 +167,15 @@ class EpochDataset(IterableDataset[Any]):
         self._publish()
 
     def _world(self, num_workers: int | None = None) -> distributed.World:
+        """This reader's place: its data-parallel rank and size, worker and workers."""
         if get_worker_info() is None:  # the main process sees the process group
-            self._rank_world = distributed.rank_and_world()
+            self._rank_world = self.data_parallel.resolve()
         return distributed.current(num_workers or self.num_workers, captured=self._rank_world)
+
+    def dp_rank_and_world(self) -> tuple[int, int]:
+        """The data-parallel rank and size this dataset reads as."""
+        w = self._world()
+        return w.rank, w.world_size
 
     def _own(self) -> None:
         if self.shared_epoch.own(get_worker_info() is not None):
@@ -144,6 +194,8 @@ class EpochDataset(IterableDataset[Any]):
                 "rank_world": list(self._rank_world),
                 "batched": self._batch_mode,
                 "head": self._head,
+                "batch_drop_last": self._batch_drop_last,
+                "extra": self._published(),
             }
         )
 
@@ -155,6 +207,8 @@ class EpochDataset(IterableDataset[Any]):
         self._rank_world = (int(got["rank_world"][0]), int(got["rank_world"][1]))
         self._batch_mode = got["batched"]
         self._head = int(got["head"])
+        self._batch_drop_last = bool(got["batch_drop_last"])
+        self._synced(got["extra"])
 
     # -- epochs --------------------------------------------------------------------
     @property
@@ -199,7 +253,17 @@ class EpochDataset(IterableDataset[Any]):
         pr, p = self._plan(self._world())
         return p.rank_samples - pr.received
 
+    def check_reads(self) -> None:
+        """Raises ``ConfigError`` when this dataset was made with ``reads=False``."""
+        if not self.reads:
+            raise ConfigError(
+                f"{self._name}: this {type(self).__name__} was made with reads=False (a rank "
+                "that reads no data, such as a pipeline stage after the first): it is not "
+                "iterated; len() and state_dict() / load_state_dict() still work"
+            )
+
     def __iter__(self) -> Iterator[Any]:
+        self.check_reads()
         in_worker = get_worker_info() is not None
         if in_worker:
             # A forkserver worker's parent is the fork server, which torch's watchdog
@@ -364,6 +428,9 @@ class EpochDataset(IterableDataset[Any]):
 
     def _lead(self) -> list[np.ndarray] | None:
         self._head = 0
+        if not self.reads:
+            self._publish()
+            return None
         pr, p = self._plan(self._world())
         bs = pr.batch_size
         if self._batch_mode is None or p.rank_samples - pr.received <= bs:
@@ -495,6 +562,11 @@ class EpochDataset(IterableDataset[Any]):
             self.epoch_total,
             self.drop_last,
         )
+        return self._state(pr, int(received))
+
+    def _state(self, pr: Progress, received: int = 0, fresh: bool = False) -> dict[str, Any]:
+        """The state of position ``pr`` after ``received`` more positions (``fresh``: a
+        position of an uninterrupted run with this configuration, not this dataset's)."""
         return {
             "version": STATE_VERSION,
             **self.identity(),
@@ -503,8 +575,59 @@ class EpochDataset(IterableDataset[Any]):
             "world": pr.world,
             "num_workers": pr.num_workers,
             "batch_size": pr.batch_size,
-            "received": pr.received + int(received),
+            "received": pr.received + received,
+            **self._state_extra(pr, fresh),
         }
+
+    # -- steps (docs/parallelism.md, "Seek and skip") ----------------------------------
+    def step_layout(self, batch_size: int | None = None, num_workers: int | None = None) -> Layout:
+        """How this dataset's epochs become steps for its consumer: its data-parallel
+        size, positions per batch, both ``drop_last``s and the DataLoader workers."""
+        world = self._world(num_workers)
+        return Layout(
+            world.world_size,
+            batch_size or self.batch_size,
+            self.drop_last,
+            self._batch_drop_last,
+            max(1, num_workers or self.num_workers or world.num_workers),
+        )
+
+    def steps_per_epoch(self) -> int:
+        """Batches the consumer of each data-parallel rank receives in a whole epoch."""
+        return self.step_layout().steps(self.epoch_total)
+
+    def batch_now(self) -> int:
+        """The batch of its epoch the consumer is at (what it received of the epoch, in
+        batches; for a part resumed with another world or batch size, counted back from
+        the end of the epoch)."""
+        pr, p = self._plan(self._world())
+        return self.step_layout().batch_at(p.rank_samples - pr.received, self.epoch_total)
+
+    def state_for_step(
+        self, step: int, num_workers: int | None = None, batch_size: int | None = None
+    ) -> dict[str, Any]:
+        """The state an uninterrupted run with this configuration saves after ``step``
+        batches (counted from epoch 0's first): load it to continue at that step's batch.
+        Nothing is read; the cost does not grow with ``step``.
+
+        Raises:
+            ConfigError: a negative step, or an epoch too short to have a step.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ConfigError(f"step must be an integer, got {step!r}")
+        layout = self.step_layout(batch_size, num_workers)
+        try:
+            epoch, batch = layout.locate(int(step), self.epoch_total)
+        except ValueError as exc:
+            raise ConfigError(f"{self._name}: {exc}") from exc
+        pr = Progress(
+            epoch=epoch,
+            world=layout.world,
+            num_workers=layout.workers,
+            batch_size=layout.batch,
+            received=layout.received(batch, self.epoch_total),
+        )
+        return self._state(pr, fresh=True)
 
     def _worker_state(self) -> dict[str, Any]:
         """This DataLoader worker's position: the epoch part it runs and how many units of
@@ -524,6 +647,7 @@ class EpochDataset(IterableDataset[Any]):
             "worker": info.id,
             "workers": info.num_workers,
             "yielded": self._skip + self._yielded,
+            **self._state_extra(pr, False),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -555,6 +679,7 @@ class EpochDataset(IterableDataset[Any]):
             batch_size=int(state["batch_size"]),
             received=int(state["received"]),
         )
+        self._load_extra(state, pr)
         # An epoch whose consumer got everything continues with the next epoch.
         left = pr.left(self.epoch_total, self.drop_last)
         self._progress = pr if left else Progress(epoch=pr.epoch + 1)
@@ -583,6 +708,7 @@ class EpochDataset(IterableDataset[Any]):
             batch_size=int(state["batch_size"]),
             received=int(state["received"]),
         )
+        self._load_extra(state, pr)
         self._progress = pr
         self._pending = (pr, int(state["yielded"]))
 
@@ -604,6 +730,20 @@ class EpochDataset(IterableDataset[Any]):
     def _name(self) -> str:
         """The dataset, in messages."""
         raise NotImplementedError
+
+    def _state_extra(self, pr: Progress, fresh: bool) -> dict[str, Any]:
+        """More fields of a state at ``pr`` (``fresh``: see :meth:`_state`)."""
+        return {}
+
+    def _load_extra(self, state: dict[str, Any], pr: Progress) -> None:
+        """Take (and check) the fields :meth:`_state_extra` wrote."""
+
+    def _published(self) -> Any:
+        """More of the plan the workers need (JSON-ready)."""
+        return None
+
+    def _synced(self, extra: Any) -> None:
+        """In a worker: take what :meth:`_published` wrote."""
 
     @property
     def epoch_total(self) -> int:

@@ -30,10 +30,19 @@ from ..read.batchread import Form, Leaf, assemble_into
 from ..read.readplan import View
 from ..read.token_blocks import copy_blocks
 from ..sampling import Segment
-from ..sampling.mix import MODES, MixOrder, Share, stream_counts
+from ..sampling.mix import (
+    MODES,
+    MixOrder,
+    Schedule,
+    ScheduledMix,
+    ScheduleSpec,
+    Share,
+    stream_counts,
+)
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
 from ..sampling.progress import Progress, drop
+from ..sampling.steps import Layout
 from . import batches, distributed
 from .epoch import EpochDataset
 from .shared_epoch import STAT_FIELDS
@@ -43,6 +52,8 @@ __all__ = ["MixedDataset", "Stream"]
 
 log = logging.getLogger(__name__)
 _WINDOW = 4096  # samples of the mix located at a time (see MixedDataset._locate)
+# Bounds of a state's layout (far above any job).
+_MAX_WORLD, _MAX_WORKERS, _MAX_BATCH = 1 << 16, 1 << 10, 1 << 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +75,7 @@ class Stream:
 class _Epoch:
     """The mixed epoch as the position machinery sees it: ``total`` slots."""
 
-    def __init__(self, mix: MixOrder, epoch: int) -> None:
+    def __init__(self, mix: MixOrder | ScheduledMix, epoch: int) -> None:
         self.mix, self.epoch, self.total = mix, epoch, mix.slots
 
     def keys(self, start: int, end: int) -> np.ndarray:
@@ -75,10 +86,11 @@ class _Epoch:
 
 
 class _MixView:
-    """Stream ``s``'s part of a mixed epoch, for its source's read plan."""
+    """Stream ``s``'s part of a mixed epoch, for its source's read plan (``layout``: the
+    layout a scheduled mix deals the epoch by)."""
 
-    def __init__(self, owner: MixedDataset, s: int) -> None:
-        self.owner, self.s = owner, s
+    def __init__(self, owner: MixedDataset, s: int, layout: Layout | None = None) -> None:
+        self.owner, self.s, self.layout = owner, s, layout
 
     @property
     def total(self) -> int:
@@ -86,7 +98,8 @@ class _MixView:
 
     @property
     def way(self) -> str:
-        return json.dumps(self.owner.identity(), sort_keys=True)
+        way = json.dumps(self.owner.identity(), sort_keys=True)
+        return way if self.layout is None else f"{way} {self.layout}"
 
     def project(self, epoch: int) -> Any:
         owner = self.owner
@@ -126,9 +139,22 @@ class MixedDataset(EpochDataset):
             own epoch lengths, summed.
         drop_last: as :class:`StreamingDataset` (per slot: a sample, or a batch).
         tag: yield ``(stream number, sample)`` pairs instead of samples.
+        schedule: weights that change during the run (a curriculum):
+            ``[(step, [w_0, w_1, ...]), ...]`` (global steps, the first at 0; a weight
+            holds from its step to the next entry's) or a callable ``f(epoch, step)``
+            returning the weights (pure; called for each step of an epoch when its mix
+            is built). A step is one batch of one data-parallel rank's consumer, counted
+            from epoch 0 (docs/parallelism.md): rank ``r``'s batch at step ``S`` is dealt
+            with the weights of step ``S``. Every stream is weighted by the schedule
+            (``repeat`` / ``choose`` are refused); the epoch keeps its length. The order
+            is a pure function of the seed, the schedule and the split into steps
+            (data-parallel size, batch size, ``drop_last``); resuming with another
+            schedule raises ``ResumeStateError``.
+        data_parallel, replication, reads: as :class:`StreamingDataset`.
 
     Raises:
-        ConfigError: an unknown mode, a missing ``batch_size``, bad shares.
+        ConfigError: an unknown mode, a missing ``batch_size``, bad shares, a malformed
+            schedule.
     """
 
     def __init__(
@@ -141,6 +167,10 @@ class MixedDataset(EpochDataset):
         epoch_size: int | None = None,
         drop_last: bool | None = None,
         tag: bool = False,
+        schedule: ScheduleSpec | None = None,
+        data_parallel: Any = None,
+        replication: int | None = None,
+        reads: bool = True,
     ) -> None:
         entries = [s if isinstance(s, Stream) else Stream(s) for s in streams]
         if not entries:
@@ -170,41 +200,108 @@ class MixedDataset(EpochDataset):
         self.mix_batch = batch_size or 1
         self.unit = 1 if mode == "random" else self.mix_batch  # samples per slot
         lengths = [s.epoch_total for s in self.streams]
+        self.schedule: Schedule | None = None
+        # [epoch, world, workers, batch, batch_drop_last]: a loaded epoch's layout
+        self._pinned: list[Any] | None = None
+        if schedule is not None:
+            self.schedule = self._check_schedule(schedule)
         try:
             self.counts = stream_counts(lengths, self.shares, epoch_size)
-            self._mix(0)
+            if self.schedule is None:
+                self._slots = self._mix(0).slots
+            else:
+                self._slots = sum(self.counts) // self.unit
         except ValueError as exc:
             raise ConfigError(f"mix: {exc}") from exc
-        for i, (s, n) in enumerate(zip(self.streams, self._mix(0).counts, strict=True)):
-            if n and not s.num_items:
-                raise ConfigError(f"stream {i} ({s.source.url}) is empty but the mix takes {n}")
+        if self.schedule is None:
+            for i, (s, n) in enumerate(zip(self.streams, self._mix(0).counts, strict=True)):
+                if n and not s.num_items:
+                    raise ConfigError(f"stream {i} ({s.source.url}) is empty but the mix takes {n}")
         self.shuffle = any(s.shuffle for s in self.streams)
         self.url = "mix(" + ", ".join(s.source.url for s in self.streams) + ")"
         self.remote = any(s.source.remote for s in self.streams)
-        super().__init__(self.streams[0].settings, bool(drop_last), self.mix_batch, self.url)
+        super().__init__(
+            self.streams[0].settings,
+            bool(drop_last),
+            self.mix_batch,
+            self.url,
+            data_parallel=data_parallel,
+            replication=replication,
+            reads=reads,
+        )
+
+    def _check_schedule(self, schedule: ScheduleSpec) -> Schedule:
+        for i, sh in enumerate(self.shares):
+            if not sh.weighted:
+                raise ConfigError(
+                    f"stream {i} of the mix has repeat= or choose=; with a schedule every "
+                    "stream is weighted by the schedule"
+                )
+        for i, st in enumerate(self.streams):
+            if not st.num_items:
+                raise ConfigError(f"stream {i} ({st.source.url}) of a scheduled mix is empty")
+        try:
+            return Schedule(schedule, len(self.streams))
+        except ValueError as exc:
+            raise ConfigError(f"mix: {exc}") from exc
 
     # -- the mix -----------------------------------------------------------------------
-    def _mix(self, epoch: int) -> MixOrder:
+    def _layout_of(self, epoch: int) -> Layout:
+        """The layout a scheduled mix deals epoch ``epoch`` by: the one a loaded state of
+        that epoch names, else this configuration's."""
+        pin = self._pinned
+        if pin is not None and pin[0] == epoch:
+            return Layout(pin[1], pin[3], self.drop_last, pin[4], pin[2])
+        return self.step_layout()
+
+    def _mix(self, epoch: int) -> MixOrder | ScheduledMix:
+        layout = None if self.schedule is None else self._layout_of(epoch)
         cached = self.__dict__.get("_mix_cache")
-        if cached is None or cached.epoch != epoch:
-            cached = MixOrder(
-                self.counts, mode=self.mode, batch_size=self.mix_batch, seed=self.seed, epoch=epoch
-            )
-            self.__dict__["_mix_cache"] = cached
-        return cached
+        if cached is None or cached[0] != (epoch, layout):
+            if self.schedule is None:
+                mix: MixOrder | ScheduledMix = MixOrder(
+                    self.counts,
+                    mode=self.mode,
+                    batch_size=self.mix_batch,
+                    seed=self.seed,
+                    epoch=epoch,
+                )
+            else:
+                assert layout is not None
+                try:
+                    mix = ScheduledMix(
+                        sum(self.counts),
+                        self.schedule,
+                        layout,
+                        mode=self.mode,
+                        batch_size=self.mix_batch,
+                        seed=self.seed,
+                        epoch=epoch,
+                    )
+                except ValueError as exc:  # weights a callable schedule returned
+                    raise ConfigError(f"{self._name}: {exc}") from exc
+            cached = self.__dict__["_mix_cache"] = ((epoch, layout), mix)
+        return cached[1]
+
+    def _epoch_size(self, s: int, mix: MixOrder | ScheduledMix) -> int:
+        """The length of stream ``s``'s order in an epoch of ``mix``: what the mix takes
+        of it; with a schedule, the epoch's samples (the same in every epoch and layout,
+        so the stream's read plan keeps one board: its first positions are the same)."""
+        return mix.counts[s] if self.schedule is None else mix.total
 
     def projected(self, epoch: int, start: int, end: int) -> list[list[tuple[int, int]]]:
         """Each stream's ranges of its order that slots ``[start, end)`` of epoch
         ``epoch`` read (:meth:`MixOrder.project`), worked out once for all the streams'
         read plans (each asks for the same segments of the node's readers)."""
+        mix = self._mix(epoch)
         memo = self.__dict__.get("_project_memo")
-        if memo is None or memo[0] != epoch or len(memo[1]) > 4096:
+        if memo is None or memo[0] is not mix or len(memo[1]) > 4096:
             fresh: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
-            memo = self.__dict__["_project_memo"] = (epoch, fresh)
+            memo = self.__dict__["_project_memo"] = (mix, fresh)
         seen: dict[tuple[int, int], list[list[tuple[int, int]]]] = memo[1]
         got = seen.get((start, end))
         if got is None:
-            got = seen[(start, end)] = self._mix(epoch).project([(start, end)])
+            got = seen[(start, end)] = mix.project([(start, end)])
         return got
 
     def _order(self) -> _Epoch:
@@ -215,15 +312,19 @@ class MixedDataset(EpochDataset):
         return order
 
     def _stream_order(self, s: int, epoch: int) -> ReadOrder:
-        key = ("_stream_orders", epoch)
+        mix = self._mix(epoch)
+        key = ("_stream_orders", epoch, mix.total if self.schedule is not None else None)
         orders = self.__dict__.get("_stream_orders")
         if orders is None or orders[0] != key:
-            mix = self._mix(epoch)
             orders = (
                 key,
                 [
-                    ReadOrder(st.units, dataclasses.replace(st.order_spec, epoch_size=n), epoch)
-                    for st, n in zip(self.streams, mix.counts, strict=True)
+                    ReadOrder(
+                        st.units,
+                        dataclasses.replace(st.order_spec, epoch_size=self._epoch_size(i, mix)),
+                        epoch,
+                    )
+                    for i, st in enumerate(self.streams)
                 ],
             )
             self.__dict__["_stream_orders"] = orders
@@ -233,17 +334,18 @@ class MixedDataset(EpochDataset):
     def epoch_total(self) -> int:
         """Slots of one mixed epoch over all ranks (samples; batches in ``per_stream``
         and ``stratified`` modes)."""
-        return self._mix(0).slots
+        return self._slots
 
     @property
     def num_items(self) -> int:
         """Samples of one mixed epoch over all ranks."""
-        return self._mix(0).total
+        return self._slots * self.unit
 
     @property
     def stream_counts(self) -> list[int]:
-        """Samples each stream gives one mixed epoch."""
-        return list(self._mix(0).counts)
+        """Samples each stream gives one mixed epoch (with a schedule: the current
+        epoch, as this configuration splits it into steps)."""
+        return list(self._mix(self._progress.epoch).counts)
 
     @property
     def batch_size(self) -> int:
@@ -310,10 +412,11 @@ class MixedDataset(EpochDataset):
     def _located(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
         """:meth:`_locate` of the slots ``[lo, hi)``."""
         epoch, u = self._progress.epoch, self.unit
+        mix = self._mix(epoch)
         win = self.__dict__.get("_window")
-        if win is None or win[0] != epoch or not win[1] <= lo <= hi <= win[2]:
-            end = min(self._mix(epoch).slots, max(hi, lo + -(-_WINDOW // u)))
-            streams, positions = self._mix(epoch).locate(lo * u, end * u)
+        if win is None or win[0] is not mix or not win[1] <= lo <= hi <= win[2]:
+            end = min(mix.slots, max(hi, lo + -(-_WINDOW // u)))
+            streams, positions = mix.locate(lo * u, end * u)
             keys = np.empty(len(positions), dtype=np.int64)
             chunks = np.zeros(len(positions), dtype=np.int64)
             offsets = np.zeros(len(positions), dtype=np.int64)
@@ -329,7 +432,7 @@ class MixedDataset(EpochDataset):
                 blocks = st.unit_reader.blocks
                 if blocks is not None:
                     chunks[rows], offsets[rows] = blocks.place(k)
-            win = self.__dict__["_window"] = (epoch, lo, end, streams, keys, chunks, offsets)
+            win = self.__dict__["_window"] = (mix, lo, end, streams, keys, chunks, offsets)
         a, b = (lo - win[1]) * u, (hi - win[1]) * u
         return tuple(w[a:b] for w in win[3:])
 
@@ -554,11 +657,12 @@ class MixedDataset(EpochDataset):
                 if not left:
                     break
         place = reader_place(pr, self.epoch_total, world, logical, self.drop_last)
+        layout = None if self.schedule is None else self._layout_of(pr.epoch)
         for s, st in enumerate(self.streams):
             if not st.source.remote:
                 continue
-            view: View = _MixView(self, s)
-            spec = st.epoch_spec(place, epoch_size=mix.counts[s], view=view)
+            view: View = _MixView(self, s, layout)
+            spec = st.epoch_spec(place, epoch_size=self._epoch_size(s, mix), view=view)
             st.source.plan_epoch(spec, skipped=int(skipped[s]))
         self._check_budget()
 
@@ -588,7 +692,7 @@ class MixedDataset(EpochDataset):
         return self.url
 
     def identity(self) -> dict[str, Any]:
-        return {
+        out = {
             "mix": self.mode,
             "seed": self.seed,
             "mix_batch": self.mix_batch if self.unit > 1 else None,
@@ -599,6 +703,92 @@ class MixedDataset(EpochDataset):
                 for st, sh in zip(self.streams, self.shares, strict=True)
             ],
         }
+        if self.schedule is not None:  # (an unscheduled mix's states keep their keys)
+            out["schedule"] = self.schedule.identity
+        return out
+
+    def set_epoch(self, epoch: int) -> None:
+        self._pinned = None  # the epoch starts afresh, split as this configuration splits it
+        super().set_epoch(epoch)
+
+    def state_for_step(
+        self, step: int, num_workers: int | None = None, batch_size: int | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`EpochDataset.state_for_step`; a step is one batch of the consumer
+        (of ``batch_size`` samples in ``random`` mode, one slot otherwise)."""
+        return super().state_for_step(step, num_workers, 1 if self.unit > 1 else batch_size)
+
+    def _state_extra(self, pr: Progress, fresh: bool) -> dict[str, Any]:
+        """A scheduled mix's state names the layout its epoch is dealt by (``layout``:
+        data-parallel size, DataLoader workers, positions per step, the consumer's
+        ``drop_last``) and, for a callable schedule, its weights over that epoch
+        (``schedule_digest``)."""
+        if self.schedule is None:
+            return {}
+        if fresh:
+            layout = self.step_layout(pr.batch_size, pr.num_workers)
+        else:
+            layout = self._layout_of(pr.epoch)
+        out: dict[str, Any] = {
+            "layout": [layout.world, layout.workers, layout.batch, layout.drop_short]
+        }
+        if self.schedule.fn is not None:
+            out["schedule_digest"] = self._digest(pr.epoch, layout)
+        return out
+
+    def _digest(self, epoch: int, layout: Layout) -> str:
+        """The callable schedule's weights over epoch ``epoch`` split by ``layout``, named
+        (worked out once per epoch: a state is taken after every batch)."""
+        cached = self.__dict__.get("_digest_cache")
+        if cached is not None and cached[0] == (epoch, layout):
+            return str(cached[1])
+        steps = layout.steps(self.epoch_total)
+        assert self.schedule is not None
+        try:
+            got = self.schedule.digest(epoch, epoch * steps, steps)
+        except ValueError as exc:
+            raise ConfigError(f"{self._name}: {exc}") from exc
+        self.__dict__["_digest_cache"] = ((epoch, layout), got)
+        return got
+
+    def _load_extra(self, state: dict[str, Any], pr: Progress) -> None:
+        if self.schedule is None:
+            self._pinned = None
+            return
+        raw = state.get("layout")
+        if (
+            not isinstance(raw, (list, tuple))
+            or len(raw) != 4
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[:3])
+            or not isinstance(raw[3], bool)
+            or not 1 <= raw[0] <= _MAX_WORLD
+            or not 1 <= raw[1] <= _MAX_WORKERS
+            or not 1 <= raw[2] <= _MAX_BATCH
+        ):
+            raise ResumeStateError(
+                f"{self._name}: the state of a scheduled mix needs its layout "
+                f"[world, workers, batch, drop_last], got {raw!r}"
+            )
+        layout = Layout(int(raw[0]), int(raw[2]), self.drop_last, raw[3], int(raw[1]))
+        if self.schedule.fn is not None:
+            got = self._digest(pr.epoch, layout)
+            if state.get("schedule_digest") != got:
+                raise ResumeStateError(
+                    f"{self._name}: the state was saved with other schedule weights in epoch "
+                    f"{pr.epoch} (schedule digest {state.get('schedule_digest')!r}, this mix's "
+                    f"callable schedule gives {got!r}); it can't continue that epoch"
+                )
+        # A fresh epoch is split as this configuration splits it; a started one keeps
+        # the layout its slots were dealt by (its remaining positions name those slots).
+        started = pr.received > 0 or pr.remaining is not None
+        self._pinned = [pr.epoch, *raw] if started else None
+        self.__dict__.pop("_mix_cache", None)
+
+    def _published(self) -> Any:
+        return self._pinned
+
+    def _synced(self, extra: Any) -> None:
+        self._pinned = extra
 
     def state_dict(
         self,
@@ -631,6 +821,14 @@ class MixedDataset(EpochDataset):
                 seed, ``epoch_size``, or a stream read with another ``subsample``,
                 ``epoch_size``, seed or shuffle (the message names it).
         """
+        if isinstance(state, dict) and state.get("version") is not None:
+            theirs = state.get("schedule")
+            mine = None if self.schedule is None else self.schedule.identity
+            if theirs != mine:
+                raise ResumeStateError(
+                    f"{self._name}: the state was saved with schedule={theirs!r}, this mix has "
+                    f"schedule={mine!r}; it can't continue that epoch"
+                )
         if isinstance(state, dict) and isinstance(state.get("streams"), list):
             mine = self.identity()["streams"]
             theirs = state["streams"]
@@ -657,7 +855,7 @@ class MixedDataset(EpochDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_mix_cache", "_stream_orders", "_window", "_project_memo"):
+        for key in ("_mix_cache", "_stream_orders", "_window", "_project_memo", "_digest_cache"):
             state.pop(key, None)
         return state
 

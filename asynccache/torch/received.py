@@ -22,6 +22,7 @@ class EpochBatches:
       batch (not counted) or follows it (counted, and the caller got it).
     * ``map_order``: the epoch runs in the writing epoch's order (the writing epoch, or
       its rest read back from the filled cache); else in the streamed order.
+    * ``ended``: the epoch's last batch was handed out (its iterator is exhausted).
     """
 
     close_is_thread_safe = True  # the Fetcher may close it while its thread is inside
@@ -34,6 +35,7 @@ class EpochBatches:
         self._lock = threading.RLock()
         self._closed = False
         self._running = False  # a thread is inside next(self._inner)
+        self.ended = False
 
     def run(self, inner: Iterator[Any]) -> EpochBatches:
         self._inner = inner
@@ -54,9 +56,10 @@ class EpochBatches:
             self._running = True
         try:
             batch = next(self._inner)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._running = False
+                self.ended = self.ended or isinstance(exc, StopIteration)
             raise
         with self._lock:
             self._running = False

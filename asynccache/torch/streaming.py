@@ -76,7 +76,9 @@ class StreamingDataset(EpochDataset):
     Under ``torch.distributed`` (or ``RANK``/``WORLD_SIZE`` with a launched group) every
     rank yields the same number of samples, so DDP never hangs: with ``drop_last=True``
     the remainder is dropped; otherwise ranks are padded by repeating the epoch's first
-    samples, like ``DistributedSampler``.
+    samples, like ``DistributedSampler``. Under model parallelism the epoch is split over
+    the data-parallel ranks instead (``data_parallel=`` / ``replication=``): the ranks of
+    one model replica receive the same batches (docs/parallelism.md).
 
     ``len(ds)`` is the number of samples this rank yields per epoch; ``ds[i]`` returns
     the item written under key ``i`` (``0 <= i < ds.num_items``), fetching its chunk on
@@ -106,6 +108,16 @@ class StreamingDataset(EpochDataset):
             ``TokenBlocks(block_size=L)`` (a dataset written with ``tokens=``): a sample
             is a block of ``L`` tokens of the concatenated documents (docs/tokens.md);
             ``num_items``, ``len()``, ``ds[i]``, shuffle, split and resume count blocks.
+        data_parallel: ``(dp_rank, dp_size)`` or this rank's data-parallel process group:
+            the epoch is split over the DP ranks, and every rank of one DP rank (a
+            tensor- or sequence-parallel group) reads the same batches. None: the
+            global rank and world size.
+        replication: consecutive groups of ``replication`` global ranks read the same
+            data (instead of ``data_parallel``).
+        reads: False for a rank that reads no data (a pipeline stage after the first):
+            opening reads ``index.json`` only, nothing else is ever fetched; ``len()``,
+            ``state_dict()`` and ``load_state_dict()`` work; iterating raises
+            ``ConfigError``.
         columns: read ``input_dir`` as Parquet files, these columns only (docs/sources.md).
             A URL without ``index.json``, an ``hf://datasets/...`` URL, or ``files=`` a glob
             of ``.parquet`` files is read as Parquet too, all columns by default.
@@ -139,6 +151,9 @@ class StreamingDataset(EpochDataset):
         allow_pickle: bool = False,
         settings: Settings | None = None,
         item_loader: TokenBlocks | None = None,
+        data_parallel: Any = None,
+        replication: int | None = None,
+        reads: bool = True,
         columns: list[str] | None = None,
         files: str | None = None,
         decode: Callable[..., Any] | None = None,
@@ -193,7 +208,15 @@ class StreamingDataset(EpochDataset):
             self.reader = SourceReader(self.index, self.source, open_chunks)  # type: ignore[assignment]
             self.unit_reader = SourceUnits(self.index, self.reader, self.source, open_chunks)  # type: ignore[arg-type]
         self._heads = HeadStart(self.source, self.index, settings)
-        super().__init__(settings, bool(drop_last), batch_size, self.source.url)
+        super().__init__(
+            settings,
+            bool(drop_last),
+            batch_size,
+            self.source.url,
+            data_parallel=data_parallel,
+            replication=replication,
+            reads=reads,
+        )
 
     # -- size and random access ----------------------------------------------------
     @property

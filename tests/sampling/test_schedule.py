@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache.sampling.mix import Schedule, ScheduledMix, apportion
+from asynccache.sampling.partition import plan
 from asynccache.sampling.steps import Layout
 
 STREAMS = 3
@@ -30,6 +31,7 @@ def mixes(draw):
         batch=draw(st.integers(1, 6)) if mode == "random" else 1,
         drop_last=draw(st.booleans()),
         drop_short=draw(st.booleans()),
+        workers=draw(st.integers(1, 3)),
     )
     total = draw(st.integers(0, 300)) * unit
     spec = draw(schedules())
@@ -65,36 +67,40 @@ def test_each_step_is_dealt_with_its_weights_and_streams_keep_their_order(got):
     a, b = sorted((mix.total // 3, 2 * mix.total // 5))
     part_s, part_p = mix.locate(a, b)
     assert part_s.tolist() == streams[a:b].tolist() and part_p.tolist() == pos[a:b].tolist()
-    # rank r's batch t: the weights of global step epoch * B + t, exactly per piece
+    # Each rank's step t, as the partition delivers it (batch t from worker t % K): the
+    # weights of global step epoch * B + t (padding repeats the epoch's first slots).
     steps = lay.steps(mix.slots)
-    n = lay.rank_samples(mix.slots)
     for r in range(lay.world):
-        for t in range(steps):
-            lo = r * n + t * lay.batch
-            hi = min(r * n + (t + 1) * lay.batch, (r + 1) * n, mix.slots)
-            if lo >= hi:
-                continue
+        for t, batch in enumerate(delivered(mix.slots, lay, r)[:steps]):
             w = step_weights(spec, mix.epoch * steps + t)
-            seen = streams[lo * u : hi * u]
-            assert all(w[s] > 0 for s in seen.tolist()), "no stream of weight 0 at this step"
-            if mix.mode == "stratified":
-                want = apportion(u, [x if x > 0 else 0 for x in w])
-                for q in range(lo, hi):
-                    got_q = np.bincount(streams[q * u : (q + 1) * u], minlength=STREAMS)
-                    assert got_q.tolist() == want, "every batch of the step: its exact counts"
-    # a run of steps of one weight, in one rank block, holds exactly its share
-    if steps and mix.mode != "stratified":
-        first = mix.epoch * steps
-        ends = [s - first for s, _ in spec if first < s < first + steps] + [steps]
-        lo_t = 0
-        for hi_t in ends:
-            lo, hi = lo_t * lay.batch, min(hi_t * lay.batch, n, mix.slots)
-            if lo < hi and hi_t < steps:
-                w = step_weights(spec, first + lo_t)
-                want = apportion(hi - lo, [x for x in w])
-                got_run = np.bincount(streams[lo * u : hi * u : u], minlength=STREAMS)
-                assert got_run.tolist() == want
-            lo_t = hi_t
+            for q in batch:
+                seen = streams[q * u : (q + 1) * u]
+                assert all(w[s] > 0 for s in seen.tolist()), "no stream of weight 0"
+                if mix.mode == "stratified":
+                    got_q = np.bincount(seen, minlength=STREAMS).tolist()
+                    assert got_q == apportion(u, w), "every batch: its exact counts"
+
+
+def delivered(slots: int, lay: Layout, rank: int) -> list[list[int]]:
+    """Rank ``rank``'s batches (slots, padding left out) in the order its consumer gets
+    them: batch t is batch t // K of worker t % K's run."""
+    p = plan(
+        [(0, slots)] if slots else [],
+        world=lay.world,
+        rank=rank,
+        num_workers=lay.workers,
+        batch_size=lay.batch,
+        drop_last=lay.drop_last,
+    )
+    per_worker = []
+    for segs in p.workers:
+        flat = [(q, seg.pad) for seg in segs for q in range(seg.start, seg.end)]
+        per_worker.append([flat[i : i + lay.batch] for i in range(0, len(flat), lay.batch)])
+    out = []
+    for t in range(sum(len(x) for x in per_worker)):
+        batch = per_worker[t % lay.workers][t // lay.workers]
+        out.append([q for q, pad in batch if not pad])
+    return out
 
 
 def test_a_callable_schedule_deals_as_the_same_list():
