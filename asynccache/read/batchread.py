@@ -312,6 +312,10 @@ class FormCache:
         self._chunks.move_to_end(chunk)
         return cf
 
+    def __len__(self) -> int:
+        """Chunks whose forms are held with their mapping."""
+        return len(self._chunks)
+
     def clear(self) -> None:
         """Let go of every chunk's mapping (their forms are kept without it); keep the
         templates."""

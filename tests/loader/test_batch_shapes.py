@@ -425,8 +425,9 @@ def test_the_next_mapping_of_a_chunk_reads_no_header(tmp_path, monkeypatch):
     first = write_chunk(path, items)
     cf = cache.get(0, first, offsets_of(first))
     assert cf.form_of(np.arange(8)) is not None and cf.form_of(np.arange(8, 40)) is not None
+    assert len(cache) == 1
     cache.clear()  # the epoch ends: the mapping goes (cf, if still held, keeps its own)
-    assert cf.buf is first
+    assert cf.buf is first and not cache
     reads: list[Any] = []
     real = batchread.headers.gather
     monkeypatch.setattr(batchread.headers, "gather", lambda *a: reads.append(a) or real(*a))
