@@ -14,7 +14,8 @@ its epoch length, ``drop_last``), and return the position it describes, or raise
 What a valid state satisfies (the invariants the resume arithmetic of :mod:`.progress`
 and :mod:`.partition` relies on):
 
-* the schema: exactly the known keys, each of its type; counts are real ints (not
+* the schema: exactly the known keys (and the further fields a dataset names as its
+  own, which it checks itself), each of its type; counts are real ints (not
   bools, not floats) within bounds (:data:`MAX_EPOCH`, :data:`MAX_WORLD`,
   :data:`MAX_WORKERS`, :data:`MAX_BATCH`);
 * the identity (dataset checksum, seed, shuffle, ...) equals the dataset's, with the
@@ -33,15 +34,17 @@ as given (its lists and dicts), never by a number it states.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import ResumeStateError
 from .progress import Progress
+from .steps import Skips
 
 __all__ = [
     "MAX_BATCH",
@@ -74,7 +77,9 @@ MAX_COUNT = 1 << 62
 
 _DATASET_KEYS = ("version", "epoch", "remaining", "world", "num_workers", "batch_size", "received")
 _WORKER_KEYS = ("worker", "workers", "yielded")
-_LOADER_KEYS = ("version", "epoch", "batches", "world", "num_workers", "batch_size", "writing")
+_LOADER_KEYS = (
+    "version", "epoch", "batches", "world", "num_workers", "batch_size", "writing", "skips"
+)  # fmt: skip
 _WRITING_KEYS = ("items", "seed", "shuffle", "drop_last", "source")
 
 
@@ -96,6 +101,7 @@ class LoaderPosition:
 
     ``stream``: the dataset position of a streamed epoch (None for a writing epoch);
     ``items``, ``source``: a writing epoch's item count (None: unknown) and source kind.
+    ``skips``: the skipped step ranges it carries (None: none).
     ``state``: the state, normalised (plain ints, lists), to keep and hand back.
     """
 
@@ -108,6 +114,7 @@ class LoaderPosition:
     stream: DatasetPosition | None
     items: int | None
     source: str | None
+    skips: Skips | None
     state: dict[str, Any]
 
 
@@ -263,6 +270,7 @@ def check_dataset_state(
     name: str = "",
     path: str = "state",
     worker_state: bool | None = None,
+    extra: Collection[str] = (),
 ) -> DatasetPosition:
     """The position a dataset state describes (``EpochDataset.state_dict()``, or a
     DataLoader worker's own: ``worker_state`` None accepts either, else only that form).
@@ -273,6 +281,8 @@ def check_dataset_state(
         epoch_total: positions of one epoch of this dataset (all ranks).
         drop_last: the dataset's ``drop_last``.
         name: the dataset, for messages; path: the state's own name in them.
+        extra: further fields this dataset writes and checks itself (a scheduled mix's
+            ``layout`` and ``schedule_digest``): allowed here, not judged.
 
     Raises:
         ResumeStateError: naming the first field at fault.
@@ -281,7 +291,7 @@ def check_dataset_state(
     if worker_state is not None and is_worker != worker_state:
         what = "a DataLoader worker's own state" if is_worker else "a whole rank's state"
         raise _fail(path, f"is {what}, which can't be loaded here", name)
-    known = _DATASET_KEYS + tuple(identity) + (_WORKER_KEYS if is_worker else ())
+    known = _DATASET_KEYS + tuple(identity) + (_WORKER_KEYS if is_worker else ()) + tuple(extra)
     st = _keys(state, path, known, name)
     if "version" not in st or type(st["version"]) is not int or st["version"] != STATE_VERSION:
         raise _fail(
@@ -335,6 +345,7 @@ def check_loader_state(
     seed: int,
     shuffle: bool,
     name: str = "",
+    extra: Collection[str] = (),
 ) -> LoaderPosition:
     """The position a ``CacheDataLoader`` state describes.
 
@@ -342,6 +353,7 @@ def check_loader_state(
         identity, epoch_total: of the dataset its streamed epochs read (None when the
             loader has none yet: a streamed state is then refused).
         drop_last, seed, shuffle: the loader's, which a writing epoch's state must match.
+        extra: the streamed dataset's own further fields (see :func:`check_dataset_state`).
 
     Raises:
         ResumeStateError: naming the first field at fault.
@@ -371,6 +383,13 @@ def check_loader_state(
         "batch_size": bs,
         "writing": bool(writing),
     }
+    skips = None
+    if "skips" in st:
+        try:
+            skips = Skips.from_json(st["skips"])
+        except ValueError as exc:
+            raise _fail(f"{path}['skips']", f"is not a list of skipped steps: {exc}", name) from exc
+        norm["skips"] = skips.to_json()
     if writing:
         items = st.get("items")
         items = None if items is None else _int_value(items, f"{path}['items']", 0, MAX_COUNT, name)
@@ -393,7 +412,7 @@ def check_loader_state(
             norm["items"] = items
         if "source" in st:
             norm["source"] = source
-        return LoaderPosition(epoch, batches, world, nw, bs, True, None, items, source, norm)
+        return LoaderPosition(epoch, batches, world, nw, bs, True, None, items, source, skips, norm)
     if "stream" not in st:
         raise _fail(f"{path}['stream']", "is missing: the state has no streaming position", name)
     if identity is None or epoch_total is None:
@@ -411,6 +430,7 @@ def check_loader_state(
         name=name,
         path=f"{path}['stream']",
         worker_state=False,
+        extra=extra,
     )
     if pos.progress.epoch != epoch:
         raise _fail(
@@ -418,16 +438,20 @@ def check_loader_state(
             f"is {epoch}, but its streaming position is of epoch {pos.progress.epoch}",
             name,
         )
-    norm["stream"] = _normalised(st["stream"], pos, identity)
-    return LoaderPosition(epoch, batches, world, nw, bs, False, pos, None, None, norm)
+    norm["stream"] = _normalised(st["stream"], pos, identity, extra)
+    return LoaderPosition(epoch, batches, world, nw, bs, False, pos, None, None, skips, norm)
 
 
 def _normalised(
-    raw: Mapping[str, Any], pos: DatasetPosition, identity: Mapping[str, Any]
+    raw: Mapping[str, Any],
+    pos: DatasetPosition,
+    identity: Mapping[str, Any],
+    extra: Collection[str],
 ) -> dict[str, Any]:
-    """The dataset state ``pos`` came from, with plain values (its identity as given)."""
+    """The dataset state ``pos`` came from, with plain values (its identity, and the
+    dataset's own further fields, as given)."""
     pr = pos.progress
-    out: dict[str, Any] = {
+    return {
         "version": STATE_VERSION,
         **{k: raw[k] for k in identity if k in raw},
         "epoch": pr.epoch,
@@ -436,5 +460,5 @@ def _normalised(
         "num_workers": pr.num_workers,
         "batch_size": pr.batch_size,
         "received": pr.received,
+        **{k: copy.deepcopy(raw[k]) for k in extra if k in raw},
     }
-    return out

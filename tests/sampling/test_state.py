@@ -282,12 +282,15 @@ def test_mutated_loader_states_validate_or_are_refused(data: Any, writing: bool)
     base = {"version": 1, "epoch": pr.epoch, "batches": data.draw(st.integers(0, 50)),
             "world": pr.world, "num_workers": pr.num_workers, "batch_size": pr.batch_size,
             "writing": writing}  # fmt: skip
+    if data.draw(st.booleans(), label="skips"):  # steps skip() dropped
+        base["skips"] = [[3, 5], [9, 10]]
     if writing:
         state = {**base, "items": total, "seed": 11, "shuffle": False, "drop_last": drop_last,
                  "source": data.draw(st.sampled_from(["map", "iterable"]))}  # fmt: skip
-    else:
-        state = {**base, "stream": dataset_state(pr, STREAM)}
-    kw = dict(identity=STREAM, epoch_total=total, drop_last=drop_last, seed=11, shuffle=False)
+    else:  # a scheduled mix's stream state carries its layout (the mix checks it)
+        state = {**base, "stream": {**dataset_state(pr, STREAM), "layout": [1, 1, 4, False]}}
+    kw = dict(identity=STREAM, epoch_total=total, drop_last=drop_last, seed=11, shuffle=False,
+              extra=("layout", "schedule_digest"))  # fmt: skip
     ok = judged(check_loader_state, state, **kw)
     assert isinstance(ok, LoaderPosition) and ok.state == state
     got = judged(check_loader_state, data.draw(mutated(state)), **kw)
@@ -386,3 +389,19 @@ def test_a_loader_state_whose_epochs_disagree_is_refused() -> None:
         check_loader_state({**state, "epoch": 1, "stream": {**stream, "received": -8}},
                            identity=STREAM, epoch_total=100, drop_last=False, seed=0,
                            shuffle=False)  # fmt: skip
+
+
+def test_skips_are_checked_and_the_datasets_own_fields_kept() -> None:
+    stream = {**_state(), "layout": [2, 2, 4, False]}
+    state = {"version": 1, "epoch": 1, "batches": 2, "world": 2, "num_workers": 2,
+             "batch_size": 4, "writing": False, "stream": stream, "skips": [[1, 3]]}  # fmt: skip
+    kw = dict(identity=STREAM, epoch_total=100, drop_last=False, seed=0, shuffle=False)
+    got = check_loader_state(state, **kw, extra=("layout",))
+    assert got.skips is not None and got.skips.to_json() == [[1, 3]]
+    assert got.state == state  # the layout travels on, for the mix to check
+    with pytest.raises(ResumeStateError, match=r"state\['stream'\]\['layout'\]"):
+        check_loader_state(state, **kw)  # a dataset without such a field
+    with pytest.raises(ResumeStateError, match=r"state\['skips'\]"):
+        check_loader_state({**state, "skips": [[3, 1]]}, **kw, extra=("layout",))
+    with pytest.raises(ResumeStateError, match=r"state\['skips'\]"):
+        check_loader_state({**state, "skips": [[True, 2]]}, **kw, extra=("layout",))
