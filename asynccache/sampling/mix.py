@@ -23,30 +23,30 @@ How the slots are dealt (all a pure function of the counts, ``seed`` and ``epoch
   apportioned by the streams' counts, largest remainder), stream 0's first, then
   stream 1's, and so on.
 
-Schedules (:class:`Schedule`, :class:`ScheduledMix`): the weights change with the
-consumer's *step* (:mod:`.steps`: one batch of one data-parallel rank, counted across
-epochs). A step's slots are where the split puts them (:mod:`.partition`), so the deal
-follows the :class:`~.steps.Layout` (DP size ``W``, DataLoader workers ``K``, ``b`` slots a
-step, the split's and the consumer's ``drop_last``): with ``M`` slots, ``n`` of them a rank
-and ``B`` steps an epoch, rank ``r`` reads slots ``[r n, (r+1) n)``, cut into ``K``
-contiguous worker spans; batch ``j`` of worker ``k``'s span (``b`` slots) is the rank's
-step ``t = j K + k``, and its slots take the weights of global step ``e B + t`` in epoch
-``e``. (Slots of no delivered step, a short last batch the consumer drops or the tail the
-split drops, take the weights of the epoch's last step; they are never read. Padding
-repeats slots of the epoch's start, with their own weights.) Within each worker span,
-the slots of consecutive batches of equal weights form a *piece*; a piece of ``L`` slots
-gives stream ``s`` exactly its largest-remainder share of ``L`` by the weights (``stratified``: of each
-batch of the piece; a stream of weight 0 gets none) and is dealt inside as an unscheduled
-mix of those counts, seeded by ``(seed, epoch, piece)``. The ``k``-th sample of stream
-``s`` over the pieces in slot order still reads position ``k`` of its own order: a
-contiguous range of slots is still a contiguous range of each stream's order. Each rank's
-batch at step ``S`` holds only streams the weights of step ``S`` give a share, and a run of
-steps of equal weights holds exactly its share (within it, proportions drift as in an
-unscheduled mix: by at most one deal block's rounding). The epoch's total is the unscheduled one (the weighted streams' lengths summed,
-or ``epoch_size``); how much each stream gives an epoch follows from the weights. An epoch
-keeps the layout it started with when it is resumed with another world size or batch size,
-so the resumed rest reads exactly what was left; the steps of that rest then meet the
-weights of the old layout's steps.
+Schedules (:class:`Schedule`, :class:`ScheduledMix`): the weights change with the consumer's
+*step* (:mod:`.steps`: one batch of one data-parallel rank, counted across epochs). A step's
+slots are where the split puts them (:mod:`.partition`), so the deal follows the
+:class:`~.steps.Layout` (DP size ``W``, DataLoader workers ``K``, ``b`` slots a step, the
+split's and the consumer's ``drop_last``): with ``M`` slots, ``n`` of them a rank and ``B``
+steps an epoch, rank ``r`` reads slots ``[r n, (r+1) n)``, cut into ``K`` contiguous worker
+spans; batch ``j`` of worker ``k``'s span (``b`` slots) is the rank's step ``t = j K + k``,
+and its slots take the weights of global step ``e B + t`` in epoch ``e``. (Slots of no
+delivered step, a short last batch the consumer drops or the tail the split drops, take the
+weights of the epoch's last step; they are never read. Padding repeats slots of the epoch's
+start, with their own weights.) Within each worker span, the slots of consecutive batches of
+equal weights form a *piece*; a piece of ``L`` slots gives stream ``s`` exactly its
+largest-remainder share of ``L`` by the weights (``stratified``: of each batch of the piece;
+a stream of weight 0 gets none) and is dealt inside as an unscheduled mix of those counts,
+seeded by ``(seed, epoch, piece)``. The ``k``-th sample of stream ``s`` over the pieces in
+slot order still reads position ``k`` of its own order: a contiguous range of slots is still
+a contiguous range of each stream's order. Each rank's batch at step ``S`` holds only
+streams the weights of step ``S`` give a share, and each piece holds exactly its share
+(within it, proportions drift as in an unscheduled mix: by at most one deal block's
+rounding). The epoch's total is the unscheduled one (the weighted streams'
+lengths summed, or ``epoch_size``); how much each stream gives an epoch follows from the
+weights. An epoch keeps the layout it started with when it is resumed with another world
+size, worker count or batch size, so the resumed rest reads exactly what was left; the
+steps of that rest then meet the weights of the old layout's steps.
 """
 
 from __future__ import annotations

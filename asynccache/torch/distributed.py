@@ -91,7 +91,8 @@ class DataParallel:
 
     Resolved in the process that holds the process group (the main process); DataLoader
     workers get the result through the dataset's published plan. The group itself is
-    not pickled (a worker never needs it).
+    not pickled (a worker never needs it); a copy in another process that is not a
+    DataLoader worker can't resolve it and says so.
 
     Raises:
         ConfigError: both given, a malformed pair, a bad ``replication``.
@@ -100,6 +101,7 @@ class DataParallel:
     def __init__(self, data_parallel: Any = None, replication: int | None = None) -> None:
         self.pair: tuple[int, int] | None = None
         self.group: Any = None
+        self.grouped = False  # a group was given (a pickled copy holds it no more)
         self.replication = replication
         if data_parallel is not None and replication is not None:
             raise ConfigError(
@@ -124,6 +126,7 @@ class DataParallel:
                     f"process group, got {type(data_parallel).__name__}"
                 )
             self.group = data_parallel
+            self.grouped = True
         if replication is not None:
             try:
                 replicated(0, replication, replication)
@@ -133,7 +136,7 @@ class DataParallel:
     @property
     def given(self) -> bool:
         """Something other than the global rank decides (a pair, a group, replication)."""
-        return self.pair is not None or self.group is not None or self.replication is not None
+        return self.pair is not None or self.grouped or self.replication is not None
 
     def resolve(self) -> tuple[int, int]:
         """This process's data-parallel ``(rank, size)`` now.
@@ -144,6 +147,13 @@ class DataParallel:
         """
         if self.pair is not None:
             return self.pair
+        if self.grouped and self.group is None:
+            raise ConfigError(
+                "this copy of the dataset was pickled into another process, and its "
+                "data_parallel process group with it (process groups don't pickle): make "
+                "the dataset in the process that reads it, or pass data_parallel=(dp_rank, "
+                "dp_size)"
+            )
         if self.group is not None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ConfigError(

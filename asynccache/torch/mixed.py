@@ -256,10 +256,13 @@ class MixedDataset(EpochDataset):
 
     def _mix(self, epoch: int) -> MixOrder | ScheduledMix:
         layout = None if self.schedule is None else self._layout_of(epoch)
-        cached = self.__dict__.get("_mix_cache")
-        if cached is None or cached[0] != (epoch, layout):
+        # A few epochs' mixes: the read plan also deals the next epoch (a scheduled
+        # epoch costs a call of a callable schedule per step to deal).
+        cache: dict[Any, Any] = self.__dict__.setdefault("_mix_cache", {})
+        mix: MixOrder | ScheduledMix | None = cache.get((epoch, layout))
+        if mix is None:
             if self.schedule is None:
-                mix: MixOrder | ScheduledMix = MixOrder(
+                mix = MixOrder(
                     self.counts,
                     mode=self.mode,
                     batch_size=self.mix_batch,
@@ -280,8 +283,10 @@ class MixedDataset(EpochDataset):
                     )
                 except ValueError as exc:  # weights a callable schedule returned
                     raise ConfigError(f"{self._name}: {exc}") from exc
-            cached = self.__dict__["_mix_cache"] = ((epoch, layout), mix)
-        return cached[1]
+            if len(cache) >= 3:
+                cache.pop(next(iter(cache)))
+            cache[(epoch, layout)] = mix
+        return mix
 
     def _epoch_size(self, s: int, mix: MixOrder | ScheduledMix) -> int:
         """The length of stream ``s``'s order in an epoch of ``mix``: what the mix takes

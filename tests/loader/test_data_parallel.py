@@ -12,10 +12,13 @@ WORLD_SIZE, run one after another; real gloo groups: tests/distributed/test_dp_g
 from __future__ import annotations
 
 import os
+import pickle
 import re
+import socket
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from asynccache import CacheDataLoader, ConfigError, StreamingDataset
 from tests.loader.datasets import DictDataset
@@ -167,3 +170,22 @@ def test_the_node_plan_counts_data_parallel_readers(remote, objstore, tmp_path):
         assert minimum(r, 4, replication=2) == (two, "2 readers, 2 ranks"), "DP readers only"
     got = [first_batch(r, 4, two, replication=2) for r in range(4)]
     assert got[0] == got[1] and got[2] == got[3] and got[0] != got[2]
+
+
+def test_a_group_resolves_where_it_lives_and_nowhere_else(written):
+    """A one-rank gloo group in this process: the DP rank and size are the group's; a copy
+    pickled into another process (not a DataLoader worker) can't resolve it and says so."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ds = StreamingDataset(written, data_parallel=dist.new_group([0]))
+        assert ds.dp_rank_and_world() == (0, 1)
+        batches = [keys(b) for b in CacheDataLoader(ds, batch_size=BS, num_workers=1)]
+        assert sorted(k for b in batches for k in b) == list(range(N))
+        copy = pickle.loads(pickle.dumps(ds))
+        with pytest.raises(ConfigError, match="pickled into another process"):
+            copy.dp_rank_and_world()
+    finally:
+        dist.destroy_process_group()
