@@ -65,6 +65,10 @@ Two more modes, for what loopback hides:
   link is given) ÷ the dataset, and the cache dir's peak bytes ÷ the budget. A library that
   refuses the budget (below its minimum) is reported as such.
 
+``--sources``: data where it already lives instead (``compare_sources.py``): the same
+Parquet files and the same folder of JPEGs through asynccache and litdata (``ParquetLoader``,
+``StreamingRawDataset``), cold, warm and shuffled, with the first batch and the bytes fetched.
+
 The memory check runs only in the default (loopback) mode. ``--src-dir DIR`` keeps each
 library's written dataset under ``DIR`` (one folder per shape) and reuses it in later runs:
 writing 1 GiB three times takes minutes on two cores. ``--gets-log PATH`` writes every
@@ -87,6 +91,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -1569,6 +1574,11 @@ def quiet() -> None:
 
 
 def main() -> None:
+    if "--sources" in sys.argv[1:]:  # Parquet and a folder of files (compare_sources.py)
+        import compare_sources
+
+        compare_sources.main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--total-mb",

@@ -51,9 +51,9 @@ log = logging.getLogger(__name__)
 
 #: Bytes of files packed into one unit (one cache entry) at most, unless ``part_bytes``
 #: (``ASYNCCACHE_PART_BYTES``) is smaller: a unit then fills about one ranged part.
-PACK_BYTES = 8 << 20
+PACK_BYTES = 4 << 20
 #: Files packed into one unit at most.
-PACK_FILES = 4096
+PACK_FILES = 64
 _LISTING_FORMAT = "asynccache-listing"
 
 

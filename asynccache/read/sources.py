@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Settings
-from ..errors import ConfigError, ObjectNotFoundError
+from ..errors import BadIndexError, ConfigError, ObjectNotFoundError
 from .parquet import ParquetSource, is_parquet_url
 from .source import DatasetSource
 
@@ -35,8 +35,9 @@ def open_source(
     * ``files=`` a glob of other files: a folder of files, one item per file;
     * ``files=`` a glob of ``.parquet`` files, ``columns=``, an ``hf://`` URL or a URL
       ending in ``.parquet``: a Parquet source;
-    * otherwise a written dataset (its ``index.json``), or, where there is none, the
-      ``.parquet`` files under ``url``.
+    * otherwise a written dataset (its ``index.json``), or, where there is none (or it is
+      another tool's, such as litdata's index of Parquet files), the ``.parquet`` files
+      under ``url``.
 
     Raises:
         ConfigError: options of one kind given for another.
@@ -61,7 +62,10 @@ def open_source(
         return ParquetSource(where, columns=columns, files=files, refresh=refresh, **opts)
     try:
         return DatasetSource(where, **opts)
-    except ObjectNotFoundError as missing:
+    except (ObjectNotFoundError, BadIndexError) as missing:
+        # No index.json of ours (none, or another tool's beside Parquet files).
+        if isinstance(missing, BadIndexError) and "not an asynccache index" not in str(missing):
+            raise
         try:
             return ParquetSource(where, refresh=refresh, **opts)
         except (ConfigError, ObjectNotFoundError):

@@ -258,3 +258,12 @@ def test_s3_file_rewritten_under_a_running_job_fails_naming_it(
     )
     assert again.num_items == TOTAL - 60
     assert int(again[140]["id"]) == 5000 + 10
+
+
+def test_another_tools_index_beside_the_files_is_read_as_parquet(
+    local: Path, tmp_path: Path
+) -> None:
+    """litdata's index_parquet_dataset leaves an index.json beside the files."""
+    (local / "index.json").write_text('{"chunks": [], "config": {"item_loader": "ParquetLoader"}}')
+    ds = StreamingDataset(local, cache_dir=tmp_path / "c")
+    assert ds.num_items == TOTAL and check_row(ds[5]) == 5
