@@ -521,6 +521,17 @@ class Reader:
         self._reset_early()  # a new process reads its first items by range again
         forksafe.register(self)
 
+    def by_range(self, chunk: int) -> bool:
+        """Items of ``chunk`` were read by range this epoch (its chunk not landed then):
+        they come from those reads, not from a mapping of the chunk."""
+        return bool(self._early) and chunk in self._early
+
+    def item_mapping(self, chunk: int) -> tuple[Any, np.ndarray]:
+        """Chunk ``chunk``'s copy-on-write mapping (what :meth:`read` views items from:
+        writable, as ``default_collate`` expects) and its item offsets table."""
+        m = self._chunk(chunk)
+        return m.mm, m.view._offsets
+
     def mapped(self, chunk: int) -> tuple[Any, np.ndarray]:
         """Chunk ``chunk``'s bytes and item offsets table (``count + 1`` int64 byte
         offsets), for readers that copy many items at once (batch assembly): a

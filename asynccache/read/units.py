@@ -5,21 +5,21 @@ data: where units lie (their chunks), the units themselves one by one, whether t
 chunks are in the cache, and the forms of mapped chunks that batch assembly copies from
 (:mod:`.batchread`). It holds no position: the order and split are the caller's.
 
-Invariant: a chunk's forms are kept only while the reader keeps that chunk mapped (at
-most ``max_forms`` chunks, least recently used first out), and a form found for a
-mapping is never used with another mapping of the same chunk.
+Invariant: a form found for one mapping of a chunk file is used only with a mapping of
+that same file (see :class:`~.batchread.FormCache`); items built from forms equal what
+``read`` decodes.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..format import Index
-from .batchread import ChunkForms
+from .batchread import ChunkForms, FormCache
 from .reader import Reader
 from .source import DatasetSource
 from .token_blocks import TokenUnits
@@ -40,7 +40,8 @@ class UnitReader:
     ) -> None:
         self.index, self.reader, self.source, self.blocks = index, reader, source, blocks
         self.max_forms = max_forms
-        self._forms: collections.OrderedDict[int, ChunkForms] = collections.OrderedDict()
+        self._forms = FormCache(max_forms, objects=True)  # over the batch mappings
+        self._item_forms = FormCache(max_forms, objects=True)  # over the items' mappings
 
     # -- where units lie -----------------------------------------------------------
     def chunks_of(self, keys: np.ndarray) -> np.ndarray:
@@ -79,8 +80,21 @@ class UnitReader:
             return self.blocks.chunks_of(keys), self.blocks.read_many(self.reader, keys)
         chunks, positions = self.index.locate_many(keys)
         self.reader.expect(chunks, positions)
-        pairs = zip(chunks.tolist(), positions.tolist(), strict=True)
-        return chunks, (self.reader.read(ci, pos) for ci, pos in pairs)
+        return chunks, self._items(chunks, positions)
+
+    def _items(self, chunks: np.ndarray, positions: np.ndarray) -> Iterator[Any]:
+        """The items at ``positions`` of ``chunks``, built from each chunk's learned forms
+        where they have one (no header parsed per item), else decoded one by one."""
+        cuts = [0, *(np.flatnonzero(np.diff(chunks)) + 1).tolist(), len(chunks)]
+        for a, b in itertools.pairwise(cuts):
+            c = int(chunks[a])
+            got = None
+            if not self.reader.by_range(c):
+                mm, offsets = self.reader.item_mapping(c)
+                got = self._item_forms.get(c, mm, offsets).items(positions[a:b])
+            if got is None:
+                got = [self.reader.read(c, int(p)) for p in positions[a:b].tolist()]
+            yield from got
 
     def items(self, keys: np.ndarray) -> list[Any]:
         """Units ``keys``, as a list."""
@@ -92,26 +106,20 @@ class UnitReader:
         assemble from). The range reads of the first batch are sent here."""
         chunks, positions = self.index.locate_many(keys)
         self.reader.expect(chunks, positions)
-        early = getattr(self.reader, "_early", None)  # items read by range, by chunk
-        if not early:
-            return chunks, positions, False
-        return chunks, positions, any(c in early for c in dict.fromkeys(chunks.tolist()))
+        by_range = any(self.reader.by_range(c) for c in dict.fromkeys(chunks.tolist()))
+        return chunks, positions, by_range
 
     # -- batch assembly ------------------------------------------------------------
     def chunk_forms(self, chunk: int) -> ChunkForms:
         """The forms of ``chunk``'s items, for :func:`~.batchread.assemble_into`."""
         mm, offsets = self.reader.mapped(chunk)
-        cf = self._forms.get(chunk)
-        if cf is None or cf.buf is not mm:
-            cf = self._forms[chunk] = ChunkForms(mm, offsets)
-            while len(self._forms) > self.max_forms:
-                self._forms.popitem(last=False)
-        self._forms.move_to_end(chunk)
-        return cf
+        return self._forms.get(chunk, mm, offsets)
 
     def forget_forms(self) -> None:
-        """Drop the forms learned (they hold their chunks' mappings)."""
+        """Let go of the chunks' mappings the forms hold (the forms themselves are kept for
+        the next mapping of the same files)."""
         self._forms.clear()
+        self._item_forms.clear()
 
     # -- lifetime ------------------------------------------------------------------
     def skip_range_reads(self) -> None:
@@ -126,6 +134,4 @@ class UnitReader:
         self.reader.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_forms"] = collections.OrderedDict()  # a process's own mappings
-        return state
+        return self.__dict__.copy()  # (a FormCache pickles its templates, not its mappings)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
+from ..sampling.state import check_loader_state
 from ..sampling.steps import Skips
 from ..write.writer import merge_dir, remove_partial
 from . import distributed
@@ -792,12 +793,22 @@ class CacheDataLoader(DataLoader[Any]):
             ResumeStateError: the state is from another dataset, seed or shuffle setting,
                 or is a writing epoch saved with another world size or worker count.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ResumeStateError("not a CacheDataLoader state")
         if self._owned:
             raise ResumeStateError("a dataset that fills its own Cache can't be resumed")
+        streamed = isinstance(state, dict) and state.get("writing") is False
+        ds = self._streaming() if streamed and not self._must_write() else None
+        pos = check_loader_state(
+            state,
+            identity=None if ds is None else {"item_loader": None, **ds.identity()},
+            epoch_total=None if ds is None else ds.epoch_total,
+            drop_last=self.drop_last,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            extra=() if ds is None else ds.STATE_EXTRA,
+        )
+        state = pos.state
         skips = self._loaded_skips(state)
-        if state.get("writing"):
+        if pos.writing:
             resume = self._load_map_state(state)
         else:
             if "stream" not in state:

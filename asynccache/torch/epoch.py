@@ -40,6 +40,7 @@ from ..errors import ConfigError, ResumeStateError
 from ..read.batchread import Form
 from ..sampling import Plan, Segment, plan
 from ..sampling.progress import Progress, worker_part
+from ..sampling.state import DatasetPosition, check_dataset_state
 from ..sampling.steps import Layout
 from . import batches, distributed
 from .lead import FirstBatches, lead_runs
@@ -83,6 +84,8 @@ class EpochDataset(IterableDataset[Any]):
             ``ConfigError``.
     """
 
+    #: Fields a subclass's states carry beyond the common ones (it checks them itself).
+    STATE_EXTRA: tuple[str, ...] = ()
     shuffle: bool
     seed: int
 
@@ -396,10 +399,19 @@ class EpochDataset(IterableDataset[Any]):
         return buf, slot
 
     def _send(
-        self, form: Form, n: int, buf: torch.Tensor, slot: int, pool: batches.Pool, row: int
+        self,
+        form: Form,
+        n: int,
+        buf: torch.Tensor,
+        slot: int,
+        pool: batches.Pool,
+        row: int,
+        objects: list[Any] | None = None,
     ) -> Any:
+        """Hand the batch in ``buf`` over (``objects``: its str and bytes leaves' values,
+        from :func:`~asynccache.read.batchread.assemble_into`)."""
         batches.count(self.batch_marks, row, "assembled")
-        return pool.send(form, n, slot, buf)
+        return pool.send(form, n, slot, buf, objects)
 
     # -- the first batches, built in the main process (:mod:`.lead`) -------------------
     @property
@@ -660,25 +672,18 @@ class EpochDataset(IterableDataset[Any]):
         Raises:
             ResumeStateError: the state belongs to another dataset, seed or shuffle setting.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ResumeStateError(f"not a {type(self).__name__} state")
-        for key, mine in {"item_loader": None, **self.identity()}.items():
-            if state.get(key) != mine:
-                raise ResumeStateError(
-                    f"{self._name}: the state was saved with {key}={state.get(key)!r}, "
-                    f"this dataset has {key}={mine!r}; it can't continue that epoch"
-                )
-        if "worker" in state:
-            self._load_worker_state(state)
-            return
-        pr = Progress(
-            epoch=int(state["epoch"]),
-            remaining=tuple((int(a), int(b)) for a, b in state["remaining"]),
-            world=int(state["world"]),
-            num_workers=int(state["num_workers"]),
-            batch_size=int(state["batch_size"]),
-            received=int(state["received"]),
+        pos = check_dataset_state(
+            state,
+            identity={"item_loader": None, **self.identity()},
+            epoch_total=self.epoch_total,
+            drop_last=self.drop_last,
+            name=self._name,
+            extra=self.STATE_EXTRA,
         )
+        if pos.worker is not None:
+            self._load_worker_state(state, pos)
+            return
+        pr = pos.progress
         self._load_extra(state, pr)
         # An epoch whose consumer got everything continues with the next epoch.
         left = pr.left(self.epoch_total, self.drop_last)
@@ -689,28 +694,20 @@ class EpochDataset(IterableDataset[Any]):
         self.shared_epoch.set_epoch(self._progress.epoch)
         self._publish()
 
-    def _load_worker_state(self, state: dict[str, Any]) -> None:
+    def _load_worker_state(self, state: dict[str, Any], pos: DatasetPosition) -> None:
         info = get_worker_info()
         here = (info.id, info.num_workers) if info is not None else (0, 1)
-        if (state["worker"], state["workers"]) != here:
+        if (pos.worker, pos.workers) != here:
             raise ResumeStateError(
-                f"{self._name}: the state is DataLoader worker {state['worker']} of "
-                f"{state['workers']}'s position, loaded into worker {here[0]} of {here[1]}; "
+                f"{self._name}: the state is DataLoader worker {pos.worker} of "
+                f"{pos.workers}'s position, loaded into worker {here[0]} of {here[1]}; "
                 "resume with the same num_workers, or use CacheDataLoader, whose state "
                 "resumes with any worker count"
             )
-        remaining = state["remaining"]
-        pr = Progress(
-            epoch=int(state["epoch"]),
-            remaining=None if remaining is None else tuple((int(a), int(b)) for a, b in remaining),
-            world=int(state["world"]),
-            num_workers=int(state["num_workers"]),
-            batch_size=int(state["batch_size"]),
-            received=int(state["received"]),
-        )
-        self._load_extra(state, pr)
-        self._progress = pr
-        self._pending = (pr, int(state["yielded"]))
+        assert pos.yielded is not None
+        self._load_extra(state, pos.progress)
+        self._progress = pos.progress
+        self._pending = (pos.progress, pos.yielded)
 
     # -- lifetime ------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

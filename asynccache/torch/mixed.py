@@ -157,6 +157,8 @@ class MixedDataset(EpochDataset):
             schedule.
     """
 
+    STATE_EXTRA = ("layout", "schedule_digest")
+
     def __init__(
         self,
         streams: Sequence[Stream | StreamingDataset],

@@ -13,8 +13,8 @@ from torch.utils.data import default_collate, default_convert, get_worker_info
 
 from ..cache.usage import scan
 from ..config import Settings
-from ..errors import ConfigError
-from ..read.batchread import Form, Leaf, assemble_into
+from ..errors import ConfigError, ResumeStateError
+from ..read.batchread import Form, Leaf, assemble_into, bytes_needed
 from ..read.reader import Reader
 from ..read.readplan import EpochSpec, ReaderPlace, View
 from ..read.source import DatasetSource
@@ -305,11 +305,13 @@ class StreamingDataset(EpochDataset):
             form = f
             parts.append((cf, pos, sel))
         assert form is not None
-        if not batches.supported(form):
+        if not batches.supported(form, objects=True):
             return self._collated(keys, row, chunks, positions)
-        buf, slot = self._buffer(form, n, pool)
-        assemble_into(buf.numpy(), form, parts, n)
-        return self._send(form, n, buf, slot, pool, row)
+        # Bytes values travel in the buffer to another process (no pickling through the pipe).
+        extra = 0 if pool.here else bytes_needed(form, parts)
+        slot, buf = pool.take(form.regions(max(n, self.batch_size))[1] + extra)
+        objects = assemble_into(buf.numpy(), form, parts, n)
+        return self._send(form, n, buf, slot, pool, row, objects)
 
     def _collated(
         self,

@@ -133,13 +133,13 @@ def test_the_per_item_path_is_taken_exactly_when_it_must(fixed, tmp_path):
     assert len(list(dl)) == len(dl)
     assert dl.batch_fallback == "stream 1 of the mix has a per-item transform"
 
-    # str leaves: whole batches from the workers, each collated from its items.
+    # str leaves: whole batches from the workers too, their strings carried as lists.
     strings = write(tmp_path / "str", DictDataset(40))
     ds = StreamingDataset(strings)
     got = list(CacheDataLoader(ds, **kw))
     ref = list(CacheDataLoader(StreamingDataset(strings), batch_size=8, collate_fn=per_item))
     assert [b["name"] for b in got] == [b["name"] for b in ref]
-    assert ds.batch_stats()["collated"] == len(got) and ds.batch_stats()["assembled"] == 0
+    assert ds.batch_stats()["assembled"] == len(got) and ds.batch_stats()["collated"] == 0
 
     # Items without a form (a numpy scalar leaf) among fixed ones: exactly the batches
     # holding one are collated per item, the rest are assembled; all bit-identical.
