@@ -29,7 +29,7 @@ from urllib.parse import quote
 from ..config import Settings
 from ..errors import ObjectNotFoundError, StorageError
 from .azure_auth import AzureAuth
-from .base import ObjectInfo, Storage
+from .base import UPLOAD_PART_BYTES, UPLOAD_THRESHOLD_BYTES, ObjectInfo, Storage
 from .errmap import map_client_errors, status_error
 from .s3_wire import S3Response, file_body, parse_xml
 from .transport import (
@@ -74,8 +74,8 @@ class AzureStorage(Storage):
         auth: AzureAuth,
         settings: Settings,
         verify: bool,
-        multipart_threshold: int = 64 << 20,
-        part_size: int = 16 << 20,
+        multipart_threshold: int = UPLOAD_THRESHOLD_BYTES,
+        part_size: int = UPLOAD_PART_BYTES,
     ) -> None:
         self.url = url
         self.container = container

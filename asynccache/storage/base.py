@@ -52,6 +52,12 @@ class Sink(Protocol):
 
 #: The bound on closing an abandoned response.
 ACLOSE_S = 5.0
+#: Uploads of files at least this big go in parts (S3 multipart, Azure blocks): the
+#: default of the ``multipart_threshold`` storage option.
+UPLOAD_THRESHOLD_BYTES = 64 << 20
+#: The size of each uploaded part: the default of the ``part_size`` storage option. (A
+#: download's ranged parts are another thing: ``ASYNCCACHE_PART_BYTES``.)
+UPLOAD_PART_BYTES = 16 << 20
 
 
 class Storage(abc.ABC):

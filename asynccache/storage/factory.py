@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..config import Settings, parse_size
 from ..errors import ConfigError
-from .base import Storage
+from .base import UPLOAD_PART_BYTES, UPLOAD_THRESHOLD_BYTES, Storage
 from .http import HttpStorage
 from .local import LocalStorage
 from .transport import header_option, verify_tls
@@ -186,8 +186,10 @@ def _open_s3(
         signer=S3Signer(options, aws_env, region),
         settings=settings,
         verify=verify_tls(settings, options),
-        multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
-        part_size=_size_option(options, "part_size", 16 << 20, url),
+        multipart_threshold=_size_option(
+            options, "multipart_threshold", UPLOAD_THRESHOLD_BYTES, url
+        ),
+        part_size=_size_option(options, "part_size", UPLOAD_PART_BYTES, url),
     )
 
 
@@ -279,8 +281,10 @@ def _open_azure(
         auth=auth,
         settings=settings,
         verify=verify_tls(settings, options),
-        multipart_threshold=_size_option(options, "multipart_threshold", 64 << 20, url),
-        part_size=_size_option(options, "part_size", 16 << 20, url),
+        multipart_threshold=_size_option(
+            options, "multipart_threshold", UPLOAD_THRESHOLD_BYTES, url
+        ),
+        part_size=_size_option(options, "part_size", UPLOAD_PART_BYTES, url),
     )
 
 

@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from ..config import Settings
 from ..errors import ObjectNotFoundError, StorageError
-from .base import ObjectInfo, Sink, Storage
+from .base import UPLOAD_PART_BYTES, UPLOAD_THRESHOLD_BYTES, ObjectInfo, Sink, Storage
 from .errmap import map_client_errors
 from .s3_auth import S3Signer
 from .s3_multipart import upload_multipart
@@ -43,8 +43,6 @@ from .transport import (
 
 __all__ = ["S3Storage"]
 
-_DEFAULT_THRESHOLD = 64 << 20
-_DEFAULT_PART = 16 << 20
 _MIN_PART = 5 << 20
 
 
@@ -74,8 +72,8 @@ class S3Storage(Storage):
         signer: S3Signer,
         settings: Settings,
         verify: bool,
-        multipart_threshold: int = _DEFAULT_THRESHOLD,
-        part_size: int = _DEFAULT_PART,
+        multipart_threshold: int = UPLOAD_THRESHOLD_BYTES,
+        part_size: int = UPLOAD_PART_BYTES,
     ) -> None:
         self.url = url
         self.bucket = bucket
