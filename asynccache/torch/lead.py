@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Settings
-from ..download.link import endpoint_of, link_for
+from ..download.link import endpoint_of, link_for, part_bytes_for
 from ..format import Index
 from ..read.source import DatasetSource
 from ..sampling import Plan
@@ -145,7 +145,10 @@ class HeadStart:
         """Ready the downloads of ``chunks`` (the workers' first, in order): as many as
         this process's connections carry at once."""
         st = self.settings
-        room = st.max_concurrency * st.part_bytes
+        dl = self.source.downloader()
+        link = link_for(endpoint_of(dl.storage))
+        part = part_bytes_for(st, link, st.max_concurrency * st.part_bytes)
+        room = st.max_concurrency * part
         take: list[int] = []
         for c in chunks:
             if room <= 0 or len(take) >= max(st.prefetch_chunks, 1):
@@ -154,11 +157,11 @@ class HeadStart:
             room -= int(self.index.bytes_per_chunk[c])
         if not take:
             return
-        dl = self.source.downloader()
         dl.hold_prefetch(st.timeout_s)
         dl.hint([self.source.spec(c) for c in take])
         sizes = [int(self.index.bytes_per_chunk[c]) for c in take]
-        parts = sum(-(-n // st.part_bytes) for n in sizes)
+        # The parts as the downloader will cut them (the one place the part size is chosen).
+        parts = sum(-(-n // part_bytes_for(st, link, sum(sizes), n)) for n in sizes)
         self._held = (os.getpid(), dl, sum(sizes), parts)
 
     def go(self) -> None:
