@@ -4,11 +4,11 @@ A chunk arrives as pieces of up to 256 KiB (``bytes`` objects made by the event 
 socket reads), each freed once written to the chunk file. glibc raises its threshold for
 serving such sizes with their own mappings after the first is freed, so later pieces come
 from the I/O thread's heap arena, and the arena keeps the pages of freed pieces resident
-(seen: about 9 MiB of a DataLoader worker's memory, holding stale chunk bytes).
+(megabytes of a DataLoader worker's memory, holding stale chunk bytes).
 ``malloc_trim(0)`` hands every whole free page of every arena back (``MADV_DONTNEED``).
-It walks every arena's free chunks under their locks: 8-30 ms in a process that imported
-torch, so it is called once an epoch's range reads are done (by the reader), not after
-every chunk (which cost a cold epoch of 128 MiB, shuffled, about a quarter more CPU).
+It walks every arena's free chunks under their locks, milliseconds in a process that
+imported torch, so it is called once an epoch's range reads are done (by the reader), not
+after every chunk (where it would add a large share to a cold epoch's CPU).
 
 The S3 and HTTP backends' own receive path (``ASYNCCACHE_RECEIVE=direct``, the default;
 :mod:`asynccache.storage.wire`) reads chunk parts into one reused buffer and allocates no

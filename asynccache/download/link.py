@@ -113,9 +113,8 @@ def tile_part_bytes(
     The downloader starts a chunk when all its parts fit beside those in flight (see
     :meth:`.Downloader._pump`), so with ``n`` parts a chunk, ``concurrency // n`` chunks run
     together and ``concurrency % n`` connections idle until a whole chunk lands: 64 MiB
-    chunks in 10 MiB parts (a 50 ms link whose first byte the busy client measured at
-    0.1 s) made 7 parts, two chunks ran on 14 of 16 connections and one DataLoader worker
-    fell 0.6 s behind the other. Here the count goes up to ``concurrency // k`` for the
+    chunks in 10 MiB parts make 7 parts, and two chunks run on 14 of 16 connections. Here
+    the count goes up to ``concurrency // k`` for the
     ``k = concurrency // n`` chunks that fit (8 parts: two chunks on all 16), or, past one
     chunk's worth, to the next multiple of ``concurrency``. An idle connection costs all of
     its time; a smaller part costs one more first-byte wait per part, at most doubled.
@@ -146,8 +145,8 @@ class LinkEstimate:
         * :attr:`bytes_per_s` is the median of the latest ``_SAMPLES`` rates (one stalled
           request moves it little), and :attr:`ttfb_s` the least of the latest
           ``_SAMPLES`` first-byte waits: a busy client, whose loop or GIL holds the first
-          piece back, only adds to a wait (a DataLoader worker measured 0.4-0.75 s on a
-          20 ms link, its median), and the link goes on delivering into the socket
+          piece back, only adds to a wait (a busy DataLoader worker can see many times
+          the link's latency), and the link goes on delivering into the socket
           meanwhile. An underestimate only keeps parts nearer the start. None until the
           first observation that can say.
         * A rate is taken only from bodies of at least ``_MIN_RATE_BYTES``: a short body

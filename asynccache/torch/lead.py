@@ -35,8 +35,8 @@ __all__ = ["LEAD_BATCHES", "FirstBatches", "HeadStart", "lead_runs", "workers_fi
 # The most batches built in the main process at an epoch's start (one per worker, each
 # worker's first): the second batch is ready while the workers start; more would delay
 # the first (their items come in one round of range reads). One when the first batch's
-# items are read by range from a shuffled order: a second batch's item GETs made the
-# first 2-3x later.
+# items are read by range from a shuffled order: a second batch's item GETs would share
+# the connections with the first's and make it several times later.
 LEAD_BATCHES = 2
 # The main process starts the workers' first chunks only on a link where downloading them
 # takes at least this long (see HeadStart.go): on loopback a worker's wait for the main
