@@ -92,9 +92,13 @@ class UnitReader:
             if not self.reader.by_range(c):
                 mm, offsets = self.reader.item_mapping(c)
                 got = self._item_forms.get(c, mm, offsets).items(positions[a:b])
-            if got is None:
-                got = [self.reader.read(c, int(p)) for p in positions[a:b].tolist()]
-            yield from got
+            if got is not None:
+                yield from got
+                continue
+            # One by one: an item read by range is handed out before the read of the next
+            # one waits for its chunk.
+            for p in positions[a:b].tolist():
+                yield self.reader.read(c, int(p))
 
     def items(self, keys: np.ndarray) -> list[Any]:
         """Units ``keys``, as a list."""
