@@ -1,5 +1,5 @@
 """Datasets larger than the cache: every chunk is fetched once per epoch, the next epoch
-starts warm, and a budget below the minimum is refused at start.
+starts warm, and a budget below two chunks per reader is refused at start.
 
 GETs are counted per chunk by a fault proxy (no faults) in front of SeaweedFS, over
 everything the DataLoader workers fetched.
@@ -7,6 +7,7 @@ everything the DataLoader workers fetched.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from asynccache import CacheDataLoader, ConfigError, StreamingDataset
+from asynccache.read.readplan import EpochSpec, ReaderPlace, plan_minimum
+from asynccache.sampling.order import OrderSpec
 from asynccache.testing.faults import FaultProxy
 from tests.budget_data import Remote, chunk_gets, fetched_bytes, write_remote
 
@@ -77,12 +80,11 @@ def test_each_chunk_once_per_cold_epoch_and_the_next_epoch_starts_warm(
         assert again == 0
 
 
-def test_a_budget_below_the_minimum_is_refused_at_start_and_the_minimum_is_enough(
-    remote, proxy, objstore, tmp_path
+def test_a_budget_below_two_chunks_per_reader_is_refused_at_start_and_the_minimum_runs(
+    remote, proxy, objstore, tmp_path, caplog
 ):
     chunk = max(c.bytes for c in remote.index.chunks)
-    # Two workers reading two-chunk shuffle windows need four chunks at once.
-    dl = loader(remote, proxy, tmp_path / "small", 3 * chunk, True, objstore)
+    dl = loader(remote, proxy, tmp_path / "small", 4 * chunk - 1, True, objstore)
     before = len(proxy.requests)
     with pytest.raises(ConfigError, match="ASYNCCACHE_MAX_CACHE_BYTES") as err:
         list(dl)
@@ -90,11 +92,23 @@ def test_a_budget_below_the_minimum_is_refused_at_start_and_the_minimum_is_enoug
     found = re.search(r"below the minimum of (\d+) bytes", str(err.value))
     assert found, str(err.value)
     minimum = int(found.group(1))
-    # and the window the two workers share; a worker assembling whole batches of 8 holds
-    # every chunk of a batch, up to two of each window a batch straddles
-    assert 4 * chunk <= minimum <= 10 * chunk
-    # At exactly the minimum (no room to prefetch), still each chunk once.
-    dl = loader(remote, proxy, tmp_path / "exact", minimum, True, objstore)
+    assert minimum == 2 * 2 * chunk  # two chunks for each of the two workers
+    # At the minimum the shuffle window shrinks (2 -> 1) and says so, every item comes
+    # once, and only a chunk the two workers share may be fetched twice.
+    caplog.set_level(logging.INFO, logger="asynccache")
+    dl = loader(remote, proxy, tmp_path / "least", minimum, True, objstore)
     keys, gets = epoch(dl, proxy)
     assert sorted(keys) == list(range(ITEMS))
+    assert dl.dataset._order().spec.window == 1
+    said = [r.getMessage() for r in caplog.records if "shuffle_window" in r.getMessage()]
+    assert len(said) == 1 and "reading with shuffle_window 1" in said[0], said
+    assert set(gets) == set(remote.chunk_names) and max(gets.values()) <= 2, gets
+    # At the plan's own minimum for the whole window, each chunk once.
+    place = ReaderPlace(0, (), 0, 1, 0, 2, 0, BATCH, False)
+    spec = EpochSpec(place, OrderSpec(5, True, WINDOW))
+    full = plan_minimum(remote.index, spec, WINDOW)
+    dl = loader(remote, proxy, tmp_path / "exact", full, True, objstore)
+    keys, gets = epoch(dl, proxy)
+    assert sorted(keys) == list(range(ITEMS))
+    assert dl.dataset._order().spec.window == WINDOW
     assert gets == dict.fromkeys(remote.chunk_names, 1), f"GETs per chunk: {gets}"

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Deferred", "EpochPlan", "PlanPolicy", "Position", "Stream"]
+__all__ = ["Deferred", "EpochPlan", "PlanPolicy", "Position", "Stream", "cold_bound", "warm_bound"]
 
 Position = tuple[int, int, int]  # (epoch, variant, position) of one reader
 
@@ -73,6 +73,7 @@ class EpochPlan:
         self.peaks = [self._peak(st) for st in self.streams]
         self.min_bytes = sum(self.peaks) + sum(self.sizes[c] for c in self.shared)
         self._first: dict[int, np.ndarray] = {}
+        self._opening: dict[int, np.ndarray] = {}
 
     def _peak(self, s: Stream) -> int:
         """The most bytes of this reader's runs that overlap at one position."""
@@ -84,6 +85,42 @@ class EpochPlan:
         delta = np.concatenate([size, -size])
         order = np.lexsort((kind, at))  # at one position, ends (0) come before starts (1)
         return int(max(0, np.cumsum(delta[order]).max()))
+
+    def opening(self, reader: int) -> np.ndarray:
+        """Per chunk, whether ``reader`` holds it when its first run ends: what it reads
+        at once as it starts (its first chunk, and the next one a batch straddles; its
+        first window, shuffled)."""
+        got = self._opening.get(reader)
+        if got is None:
+            st = self.streams[reader]
+            got = np.zeros(len(self.sizes), dtype=bool)
+            if len(st.chunks):
+                s0 = st.starts.min()
+                first_end = st.ends[st.starts == s0].min()
+                got[st.chunks[st.starts < first_end]] = True
+            self._opening[reader] = got
+        return got
+
+    def closing(self) -> np.ndarray:
+        """Per chunk, whether some reader still holds it at its last position: what the
+        readers hold as the epoch ends."""
+        got = np.zeros(len(self.sizes), dtype=bool)
+        for st in self.streams:
+            if len(st.chunks):
+                got[st.chunks[st.ends >= st.length]] = True
+        return got
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of the chunks some reader reads this epoch."""
+        read = np.zeros(len(self.sizes), dtype=bool)
+        for st in self.streams:
+            read[st.chunks] = True
+        return int(self._size_arr[read].sum())
+
+    @property
+    def shared_bytes(self) -> int:
+        return int(self._size_arr[self.shared_mask].sum())
 
     def first_starts(self, reader: int) -> np.ndarray:
         """Per chunk, where ``reader`` first reads it (inf: never)."""
@@ -105,6 +142,7 @@ class _Table:
     this_epoch: np.ndarray  # some reader reads it again in its current epoch
     held: np.ndarray  # read already in an epoch and read again in it (or now): keep
     shared: np.ndarray  # read in two runs in some reader's epoch
+    opening: np.ndarray  # what some reader reads at once when its next epoch starts
 
 
 class PlanPolicy:
@@ -190,6 +228,7 @@ class PlanPolicy:
         distance = np.full(n, np.inf)
         this_epoch = np.zeros(n, dtype=bool)
         shared = np.zeros(n, dtype=bool)
+        opening = np.zeros(n, dtype=bool)
         read_in: dict[int, np.ndarray] = {}
         needed_in: dict[int, np.ndarray] = {}
         for r, (p, pos, epoch) in enumerate(self._where(got)):
@@ -208,11 +247,12 @@ class PlanPolicy:
                 first = nxt.first_starts(r)
                 later = np.where(again, np.inf, st.length - pos + first)
                 distance = np.minimum(distance, later)
+                opening |= nxt.opening(r)
         current = distance == 0
         held = current.copy()
         for epoch, read in read_in.items():
             held |= read & needed_in.get(epoch, np.zeros(n, dtype=bool))
-        return _Table(distance, current, this_epoch, held, shared)
+        return _Table(distance, current, this_epoch, held, shared, opening & ~this_epoch)
 
     def victims(self, own: Sequence[str], last_used: Mapping[str, float]) -> list[str]:
         """``own`` (this dataset's evictable chunk names) in the order to evict them."""
@@ -238,7 +278,7 @@ class PlanPolicy:
         out = []
         for name in own:
             ci = self.index.get(name)
-            if ci is None or not (t.held[ci] or t.this_epoch[ci] or t.current[ci]):
+            if ci is None or not (t.held[ci] or t.this_epoch[ci] or t.current[ci] or t.opening[ci]):
                 out.append(name)
         return out
 
@@ -267,3 +307,47 @@ class PlanPolicy:
             if oi is not None and ahead_mask[oi]
         )
         return ahead + size <= budget - self.min_bytes
+
+
+def cold_bound(plan: EpochPlan, budget: int) -> int:
+    """The most bytes a cold epoch read by ``plan`` fetches under ``budget``: each chunk
+    once (:attr:`EpochPlan.read_bytes`) at or above the plan's minimum; below it (a budget
+    of two chunks per reader or more, see :mod:`asynccache.read.readplan`) a chunk two
+    readers read may be fetched twice."""
+    extra = plan.shared_bytes if budget < plan.min_bytes else 0
+    return plan.read_bytes + extra
+
+
+def warm_bound(this: EpochPlan, following: EpochPlan, budget: int) -> int:
+    """The most bytes the epoch read by ``following`` fetches after ``this`` under
+    ``budget`` (both read whole, one right after the other): the target ``1.1 x (dataset -
+    budget)`` where the epoch boundary leaves room for it, else ``dataset - budget + the
+    boundary`` and one chunk.
+
+    The boundary: what the readers hold as ``this`` ends (:meth:`EpochPlan.closing`: each
+    reader's last chunk, two where its last batch straddles them; its last window,
+    shuffled) and what each holds at once as ``following`` starts
+    (:meth:`EpochPlan.opening`). The closing chunks take room the budget cannot give to
+    chunks the next epoch reads first, so the next epoch fetches about ``dataset -
+    (budget - closing)`` at least; an opening the cache did not keep is fetched before
+    its reader has read anything the cache could give up, and may push out a chunk kept
+    for later in the epoch. With many chunks per reader the boundary is a few percent of
+    the dataset and the target holds; with a dozen large chunks and several readers it
+    does not (16 chunks, 2 readers, budget 0.6: the readers' last chunks alone are 0.125
+    of the dataset, against a target of 0.44). Below the plan's minimum, a chunk two
+    readers read may also be fetched twice.
+    """
+    dataset = following.read_bytes
+    if budget >= dataset:
+        return 0
+    sizes = np.asarray(following.sizes, dtype=np.int64)
+    edge = this.closing()
+    for r in range(len(following.streams)):
+        edge |= following.opening(r)
+    rest = dataset - budget
+    # One chunk more: the readers reach the boundary one after the other, and the last
+    # prefetch of one may still be in the cache when another opens its next epoch.
+    bound = max(int(1.1 * rest), rest + int(sizes[edge].sum()) + int(sizes.max()))
+    if budget < max(this.min_bytes, following.min_bytes):
+        bound += following.shared_bytes
+    return min(bound, dataset + following.shared_bytes)

@@ -121,8 +121,11 @@ class ChunkStore:
         durable: bool = True,
         stamps: bool = True,
     ) -> None:
-        self.root = Path(root)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else self.root.parent
+        # Absolute and normalised, as the scans name what they find (usage.scan): a
+        # relative cache dir (or one through "..") would never match them, and every
+        # chunk of this dataset would be taken for another dataset's (plain LRU).
+        self.root = Path(os.path.abspath(root))
+        self.cache_dir = self.root.parent if cache_dir is None else Path(os.path.abspath(cache_dir))
         self.max_cache_bytes = max_cache_bytes
         self.lock_timeout_s = lock_timeout_s
         self._pins: dict[str, tuple[int, int]] = {}  # name -> (fd, count)

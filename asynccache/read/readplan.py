@@ -30,7 +30,7 @@ import numpy as np
 
 from ..cache.board import Board, board_path
 from ..cache.layout import local_name
-from ..cache.plan import EpochPlan, PlanPolicy, Stream
+from ..cache.plan import EpochPlan, PlanPolicy, Stream, cold_bound, warm_bound
 from ..errors import ConfigError, DiskFullError
 from ..format import Index
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
@@ -38,12 +38,18 @@ from ..sampling.partition import Interval, Segment
 from ..sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
 
 __all__ = [
+    "CHUNKS_PER_READER",
     "EpochSpec",
+    "Fitted",
     "PlanCache",
     "ReadPlan",
     "ReaderPlace",
     "View",
+    "budget_bounds",
+    "fit_window",
+    "least_bytes",
     "min_budget_message",
+    "plan_minimum",
     "union_runs",
     "whole_batches",
 ]
@@ -420,39 +426,138 @@ class ReadPlan:
         self.board.close()
 
 
-def min_budget_message(url: str, budget: int, policy: PlanPolicy, spec: EpochSpec) -> str:
+#: The fewest chunks per reader a cache budget must hold: the chunk a reader reads and the
+#: next one, which a batch or a token block straddles.
+CHUNKS_PER_READER = 2
+
+
+def least_bytes(index: Index, readers: int) -> int:
+    """The smallest budget a plan of ``readers`` readers runs under:
+    :data:`CHUNKS_PER_READER` of the dataset's largest chunk per reader."""
+    sizes = index.bytes_per_chunk
+    largest = int(sizes.max()) if len(sizes) else 0
+    return CHUNKS_PER_READER * largest * max(1, readers)
+
+
+def min_budget_message(url: str, budget: int, least: int, spec: EpochSpec) -> str:
     mib = 1 << 20
     return (
-        f"{url}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes = {budget} "
-        f"bytes, {budget / mib:.1f} MiB) is below the minimum of {policy.min_bytes} bytes "
-        f"({policy.min_bytes / mib:.1f} MiB) for {spec.readers} readers ({spec.world} ranks x "
-        f"{spec.num_workers} workers) sharing this node's cache: what each reader reads at "
-        f"once plus the chunks two readers share; below it chunks would be downloaded "
-        f"twice an epoch. Raise the budget to at least {policy.min_bytes}, or read with "
-        f"fewer workers or a smaller shuffle_window"
+        f"{url}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes, or less "
+        f"where the file system holds less: {budget} bytes, {budget / mib:.1f} MiB) is "
+        f"below the minimum of {least} bytes ({least / mib:.1f} MiB) for {spec.readers} "
+        f"readers ({spec.world} ranks x {spec.num_workers} workers) sharing this node's "
+        f"cache: {CHUNKS_PER_READER} of the largest chunk per reader (the chunk it reads "
+        f"and the next one, which a batch straddles). Raise the budget to at least "
+        f"{least}, or read with fewer workers"
     )
 
 
-def raise_if_below(url: str, budget: int, policy: PlanPolicy, spec: EpochSpec) -> None:
-    if budget < policy.min_bytes:
-        raise ConfigError(min_budget_message(url, budget, policy, spec))
+def raise_if_below(url: str, budget: int, index: Index, spec: EpochSpec) -> None:
+    """Refuse a budget below :func:`least_bytes` (above it a plan runs: below the plan's
+    own minimum, see :func:`fit_window`, with a smaller shuffle window or, at window 1,
+    fetching a chunk two readers share twice an epoch)."""
+    least = least_bytes(index, spec.readers)
+    if budget < least:
+        raise ConfigError(min_budget_message(url, budget, least, spec))
+
+
+def plan_minimum(index: Index, spec: EpochSpec, window: int) -> int:
+    """:attr:`EpochPlan.min_bytes` of ``spec``'s epoch and the next, read whole with
+    shuffle window ``window``: the larger (the eviction policy of an epoch looks at both,
+    and a shuffle's minimum moves a little from one epoch to the next)."""
+    order = dataclasses.replace(spec.order, window=window)
+    total = PlanCache(index, EpochSpec(spec.place, order, spec.units, spec.view)).total
+    place = dataclasses.replace(spec.place, remaining=((0, total),) if total else (), received=0)
+    plans = PlanCache(index, EpochSpec(place, order, spec.units, spec.view))
+    got = [plans(spec.epoch, 0), plans(spec.epoch + 1, 0)]
+    return max(p.min_bytes for p in got if p is not None)
+
+
+def budget_bounds(index: Index, spec: EpochSpec, budget: int) -> tuple[int, int]:
+    """The most bytes ``spec``'s epoch fetches cold under ``budget``, and the most the
+    epoch after it fetches again (:func:`~asynccache.cache.plan.cold_bound`,
+    :func:`~asynccache.cache.plan.warm_bound`), both read whole by the readers of
+    ``spec.place`` in ``spec.order`` (the window read with)."""
+    total = PlanCache(index, spec).total
+    place = dataclasses.replace(spec.place, remaining=((0, total),) if total else (), received=0)
+    plans = PlanCache(index, EpochSpec(place, spec.order, spec.units, spec.view))
+    this, following = plans(spec.epoch, 0), plans(spec.epoch + 1, 0)
+    assert this is not None and following is not None
+    return cold_bound(this, budget), warm_bound(this, following, budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """The shuffle window an epoch is read with under a budget, and why."""
+
+    window: int
+    requested: int
+    budget: int
+    needs: int  # the plan's minimum at ``window``
+    needed: int  # the plan's minimum at ``requested``
+
+    @property
+    def shrunk(self) -> bool:
+        return self.window < self.requested
+
+    def why(self, readers: int) -> str:
+        mib = 1 << 20
+        if not self.shrunk:
+            return f"shuffle_window {self.window}: its plan needs {self.needs} bytes"
+        below = (
+            "; even window 1 needs more, so a chunk two readers share may be fetched twice an epoch"
+            if self.needs > self.budget
+            else ""
+        )
+        return (
+            f"shuffle_window {self.requested} needs {self.needed / mib:.1f} MiB of cache for "
+            f"{readers} readers, more than the budget of {self.budget / mib:.1f} MiB: "
+            f"reading with shuffle_window {self.window} (needs {self.needs / mib:.1f} MiB)"
+            f"{below}"
+        )
+
+
+def fit_window(url: str, index: Index, spec: EpochSpec, budget: int) -> Fitted:
+    """The largest shuffle window, at most ``spec.window``, whose plan's minimum (what the
+    readers hold at once, see :class:`~asynccache.cache.plan.EpochPlan`) fits ``budget``;
+    window 1 when none does. A pure function of (the requested window, the budget, the
+    readers, the chunks and the order), so every reader that asks gets the same answer.
+
+    Raises:
+        ConfigError: ``budget`` is below :func:`least_bytes`.
+    """
+    raise_if_below(url, budget, index, spec)
+    want = spec.window
+    if not spec.shuffle or want <= 1:
+        return Fitted(want, want, budget, 0, 0)
+    needed = plan_minimum(index, spec, want)
+    if needed <= budget:
+        return Fitted(want, want, budget, needed, needed)
+    # Not monotone in the window (a window of 3 can split a reader's part where 4 does
+    # not, and share more chunks): the largest that fits, looked at one by one.
+    needs = needed
+    for window in range(want - 1, 0, -1):
+        needs = plan_minimum(index, spec, window)
+        if needs <= budget:
+            return Fitted(window, want, budget, needs, needed)
+    return Fitted(1, want, budget, needs, needed)
 
 
 def raise_if_disk_below(
-    url: str, cache_dir: str, capacity: int, policy: PlanPolicy, spec: EpochSpec
+    url: str, cache_dir: str, capacity: int, index: Index, spec: EpochSpec
 ) -> None:
     """Refuse, before the epoch starts, a plan whose readers cannot hold what they read at
     once on the cache's file system even with nothing else on it (``capacity``: its size
     less the margin kept free): they would stop mid-epoch, each waiting for room the
     others hold."""
-    if capacity < policy.min_bytes:
+    least = least_bytes(index, spec.readers)
+    if capacity < least:
         mib = 1 << 20
         raise DiskFullError(
             f"{url}: the file system of the cache dir {cache_dir} holds {capacity} bytes "
-            f"({capacity / mib:.1f} MiB), less than the {policy.min_bytes} bytes "
-            f"({policy.min_bytes / mib:.1f} MiB) that {spec.readers} readers ({spec.world} "
+            f"({capacity / mib:.1f} MiB), less than the {least} bytes "
+            f"({least / mib:.1f} MiB) that {spec.readers} readers ({spec.world} "
             f"ranks x {spec.num_workers} workers) sharing this node's cache read at once "
-            f"(what each reader reads at once plus the chunks two readers share). Give the "
-            f"cache a larger file system (ASYNCCACHE_CACHE_DIR), or read with fewer workers "
-            f"or a smaller shuffle_window"
+            f"({CHUNKS_PER_READER} of the largest chunk per reader). Give the cache a "
+            f"larger file system (ASYNCCACHE_CACHE_DIR), or read with fewer workers"
         )

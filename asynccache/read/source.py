@@ -47,7 +47,15 @@ from ..errors import (
 from ..format import INDEX_NAME, ChunkEntry, Index
 from ..format.index import IndexMeta
 from ..storage import open_storage
-from .readplan import EpochSpec, PlanCache, ReadPlan, raise_if_below, raise_if_disk_below
+from .readplan import (
+    EpochSpec,
+    Fitted,
+    PlanCache,
+    ReadPlan,
+    fit_window,
+    raise_if_below,
+    raise_if_disk_below,
+)
 
 # Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
 # made ahead, so their downloads start without a reservation (Downloader._make_ahead).
@@ -111,6 +119,10 @@ class DatasetSource:
         settings = settings or Settings.from_env()
         if cache_dir is not None:
             settings = dataclasses.replace(settings, cache_dir=os.fspath(cache_dir))
+        if not os.path.isabs(settings.cache_dir):
+            # Fixed here: a worker started elsewhere (spawn, a fork server) would take a
+            # relative cache dir from its own working directory.
+            settings = dataclasses.replace(settings, cache_dir=os.path.abspath(settings.cache_dir))
         self.settings = settings
         self.settings.configure_logging()
         self.cache_dir = settings.cache_dir
@@ -440,6 +452,22 @@ class DatasetSource:
         """This process reads by an epoch plan (see :meth:`plan_epoch`)."""
         return self._follow is not None and self._follow_pid == os.getpid()
 
+    def fit_window(self, spec: EpochSpec) -> Fitted:
+        """The shuffle window the node reads ``spec``'s order with under this cache's
+        budget (the store's answer: the setting, or less where the file system holds
+        less): ``spec.window``, or the largest smaller one whose plan fits the budget
+        (:func:`~asynccache.read.readplan.fit_window`). A local dataset keeps its window.
+
+        Raises:
+            ConfigError: the budget is below two of the largest chunk per reader.
+            DiskFullError: the cache's file system is smaller than that.
+        """
+        if not self.remote:
+            return Fitted(spec.window, spec.window, 0, 0, 0)
+        store = self.downloader().store
+        raise_if_disk_below(self.url, str(store.cache_dir), store.disk_bytes(), self.index, spec)
+        return fit_window(self.url, self.index, spec, store.budget())
+
     def plan_epoch(self, spec: EpochSpec, skipped: int = 0) -> None:
         """This process is reader ``spec.place`` of an epoch read in the sampler's order
         ``spec.order`` (see :mod:`asynccache.read.readplan`); remote datasets only.
@@ -451,8 +479,8 @@ class DatasetSource:
         each chunk is unpinned as soon as the reader is done with it.
 
         Raises:
-            ConfigError: the cache budget is below the plan's minimum (the message says
-                the minimum).
+            ConfigError: the cache budget is below two of the largest chunk per reader
+                (the message says that minimum in bytes).
             DiskFullError: the cache's file system is smaller than that minimum.
         """
         if not self.remote:
@@ -465,11 +493,11 @@ class DatasetSource:
                 plans = self._plans = PlanCache(self.index, spec)
             else:
                 plans.follow(spec)
-            follow = ReadPlan(self.index, spec, plans, str(dl.store.root), skipped)
-            raise_if_below(self.url, dl.store.max_cache_bytes, follow.policy, spec)
             raise_if_disk_below(
-                self.url, str(dl.store.cache_dir), dl.store.disk_bytes(), follow.policy, spec
+                self.url, str(dl.store.cache_dir), dl.store.disk_bytes(), self.index, spec
             )
+            raise_if_below(self.url, dl.store.budget(), self.index, spec)
+            follow = ReadPlan(self.index, spec, plans, str(dl.store.root), skipped)
             old, self._follow, self._follow_pid = self._follow, follow, os.getpid()
             dl.store.policy = follow.policy
         if old is not None:

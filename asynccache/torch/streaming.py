@@ -133,6 +133,8 @@ class StreamingDataset(EpochDataset):
             (folders of files) or footers (Parquet).
     """
 
+    STATE_EXTRA = ("window",)  # the shuffle window a shuffled epoch is read with
+
     def __init__(
         self,
         input_dir: str | os.PathLike[str],
@@ -243,10 +245,86 @@ class StreamingDataset(EpochDataset):
     def _order(self) -> ReadOrder:
         """This epoch's order as read (the same the node's read plan is built from)."""
         order = self.__dict__.get("_order_cache")
-        if order is None or order.epoch != self._progress.epoch:
-            order = ReadOrder(self.units, self.order_spec, self._progress.epoch)
+        spec = self._fitted_order()
+        if order is None or order.epoch != self._progress.epoch or order.spec != spec:
+            order = ReadOrder(self.units, spec, self._progress.epoch)
             self.__dict__["_order_cache"] = order
         return order
+
+    # -- the shuffle window under the cache budget ---------------------------------------
+    def _fitted_order(self, pr: Progress | None = None) -> OrderSpec:
+        """The order spec with the shuffle window the node reads with: the requested one,
+        or the largest smaller one whose plan fits the cache budget
+        (:meth:`DatasetSource.fit_window`), chosen once per (ranks, workers, batch size)
+        and kept; a resumed state's window (:meth:`_load_extra`) wins, if the budget
+        holds it. ``pr``: the epoch part to fit for (default: this process's)."""
+        spec = self.order_spec
+        if not spec.shuffle or spec.window <= 1 or not self.source.remote:
+            return spec
+        world = self._world()
+        if pr is not None:
+            ranks, workers, batch = pr.world, max(1, pr.num_workers), pr.batch_size
+        else:
+            workers = max(1, self.num_workers or world.num_workers)
+            ranks, batch = world.world_size, self.batch_size
+        key = (ranks, workers, batch)
+        windows: dict[tuple[int, int, int], int] = self.__dict__.setdefault("_windows", {})
+        window = windows.get(key)
+        if window is None:
+            place = ReaderPlace(
+                epoch=self._progress.epoch,
+                remaining=(),
+                received=0,
+                world=ranks,
+                rank=min(world.rank, ranks - 1),
+                num_workers=workers,
+                worker=0,
+                batch_size=batch,
+                drop_last=self.drop_last,
+            )
+            fitted = self.source.fit_window(EpochSpec(place, spec, self.units))
+            pinned = self.__dict__.get("_pinned_window")
+            if pinned is not None and pinned > fitted.window:
+                raise ResumeStateError(
+                    f"{self.source.url}: the state was saved reading with shuffle_window "
+                    f"{pinned}, but this cache budget ({fitted.budget} bytes) holds "
+                    f"shuffle_window {fitted.window} for {ranks * workers} readers at most; "
+                    "resume with a budget that holds the state's window"
+                )
+            window = pinned if pinned is not None else fitted.window
+            if window < spec.window:
+                log.info("%s: %s", self.source.url, fitted.why(ranks * workers))
+            windows[key] = window
+        return spec if window == spec.window else dataclasses.replace(spec, window=window)
+
+    def _state_extra(self, pr: Progress, fresh: bool) -> dict[str, Any]:
+        """A shuffled epoch's state names the window it is read with (``window``)."""
+        if not self.order_spec.shuffle or self.order_spec.window <= 1 or not self.source.remote:
+            return {}
+        return {"window": self._fitted_order(pr).window}
+
+    def _load_extra(self, state: dict[str, Any], pr: Progress) -> None:
+        """Read the resumed epoch with the state's window (without one: the requested)."""
+        self.__dict__.pop("_windows", None)
+        self.__dict__.pop("_pinned_window", None)
+        if not self.order_spec.shuffle or "window" not in state:
+            return
+        window = state["window"]
+        if type(window) is not int or not 1 <= window <= self.order_spec.window:
+            raise ResumeStateError(
+                f"{self.source.url}: the state's window must be an integer from 1 to "
+                f"shuffle_window {self.order_spec.window}, got {window!r}"
+            )
+        self.__dict__["_pinned_window"] = window
+
+    def _published(self) -> Any:
+        return {"window": self.__dict__.get("_pinned_window")}
+
+    def _synced(self, extra: Any) -> None:
+        pinned = extra.get("window") if isinstance(extra, dict) else None
+        if pinned != self.__dict__.get("_pinned_window"):
+            self.__dict__.pop("_windows", None)
+            self.__dict__["_pinned_window"] = pinned
 
     # -- reading -------------------------------------------------------------------
     def batchable(self) -> str | None:
@@ -377,7 +455,8 @@ class StreamingDataset(EpochDataset):
     ) -> EpochSpec:
         """How the node reads this dataset for a reader at ``place`` (``epoch_size``: the
         samples a mix takes of it, and ``view``: its part of the mix; None: its own)."""
-        order = self.order_spec
+        # A mix reads its streams in their requested windows (its own order, see .mixed).
+        order = self._fitted_order() if view is None and epoch_size is None else self.order_spec
         if epoch_size is not None:
             order = dataclasses.replace(order, epoch_size=epoch_size)
         return EpochSpec(place, order, self.units, view)

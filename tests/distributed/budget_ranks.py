@@ -55,3 +55,45 @@ def budget_rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> N
             json.dump(out, f)
     finally:
         dist.destroy_process_group()
+
+
+def warm_rank_main(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
+    """For each run of ``cfg["runs"]`` (shuffle, budget fraction, workers, persistent, a
+    cache dir relative to the working directory or not): two epochs over a fresh cache
+    dir shared by the ranks; after each, once every rank is done, rank 0 marks the proxy
+    log. Writes each epoch's keys and the shuffle window read with."""
+    if multiprocessing.get_start_method() == "forkserver":
+        multiprocessing.set_forkserver_preload(["tests.distributed.budget_ranks"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        out = []
+        for k, run in enumerate(cfg["runs"]):
+            home = os.path.join(cfg["cache_dir"], f"run-{k}")
+            os.makedirs(home, exist_ok=True)
+            os.chdir(home)  # the ranks' own working directory (a relative cache dir)
+            ds = StreamingDataset(
+                cfg["url"],
+                cache_dir="cache" if run["relative"] else os.path.join(home, "cache"),
+                shuffle=run["shuffle"],
+                seed=11,
+                max_cache_bytes=int(cfg["total"] * run["fraction"]),
+                storage_options=cfg["storage_options"],
+            )
+            kw = {"persistent_workers": True} if run["persistent"] and run["workers"] else {}
+            dl = CacheDataLoader(ds, batch_size=cfg["batch_size"], num_workers=run["workers"], **kw)
+            epochs = []
+            for epoch in range(2):
+                epochs.append([k for batch in dl for k in batch["i"].tolist()])
+                dist.barrier()
+                if rank == 0:
+                    mark(cfg["proxy"], f"{k}-{epoch}")
+                dist.barrier()
+            out.append({"keys": epochs, "window": ds._order().spec.window})
+            del dl
+            ds.close()
+        with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
