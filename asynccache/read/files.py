@@ -40,7 +40,7 @@ from ..config import Settings
 from ..errors import ConfigError, CorruptIndexError, ObjectNotFoundError
 from ..format import ChunkEntry, Index
 from ..format.parquet import FileInfo
-from .listing import glob_regex, list_local, list_remote
+from .listing import NoFilesError, glob_regex, list_local, list_remote
 from .source import local_dir
 from .source_units import Decode, UnitSource
 from .unit_storage import Piece, Unit
@@ -102,7 +102,7 @@ class FilesSource(UnitSource):
     def _build(self) -> tuple[Index, Mapping[str, Unit]]:
         listing = self._listing()
         if not listing:
-            raise ConfigError(f"{self.url}: no file matches files={self.pattern!r}")
+            raise NoFilesError(f"{self.url}: no file matches files={self.pattern!r}")
         labels = self._labels(listing) if self.labels_from is not None else None
         tag = xxhash.xxh3_64(
             "\0".join(f"{f.key}\0{f.size}\0{f.etag}" for f in listing).encode()

@@ -19,7 +19,11 @@ from ..errors import ConfigError, ObjectNotFoundError
 from ..format.parquet import FileInfo
 from ..storage.base import Storage
 
-__all__ = ["glob_regex", "list_local", "list_remote", "matching"]
+__all__ = ["NoFilesError", "glob_regex", "list_local", "list_remote", "matching"]
+
+
+class NoFilesError(ConfigError):
+    """No file of a source matches its glob (a :class:`ConfigError` to the user)."""
 
 
 @functools.lru_cache(maxsize=64)

@@ -58,7 +58,7 @@ from ..format.parquet import (
     row_groups,
 )
 from ..storage.base import Storage
-from .listing import list_local, list_remote
+from .listing import NoFilesError, list_local, list_remote
 from .source import local_dir
 from .source_units import Decode, UnitSource
 from .unit_storage import Piece, Unit
@@ -153,7 +153,7 @@ class ParquetSource(UnitSource):
 
     def _check_listing(self, listing: Sequence[FileInfo]) -> None:
         if not listing:
-            raise ConfigError(
+            raise NoFilesError(
                 f"{self.url}: no file matches {self.pattern!r} (a Parquet source reads "
                 "the .parquet files under its URL; files= chooses others)"
             )

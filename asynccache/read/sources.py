@@ -12,6 +12,8 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import BadIndexError, ConfigError, ObjectNotFoundError
+from ..format.parquet import pyarrow_modules
+from .listing import NoFilesError
 from .parquet import ParquetSource, is_parquet_url
 from .source import DatasetSource
 
@@ -67,6 +69,11 @@ def open_source(
         if isinstance(missing, BadIndexError) and "not an asynccache index" not in str(missing):
             raise
         try:
+            pyarrow_modules()
             return ParquetSource(where, refresh=refresh, **opts)
-        except (ConfigError, ObjectNotFoundError):
-            raise missing from None
+        except (NoFilesError, ObjectNotFoundError, ConfigError) as exc:
+            if isinstance(exc, NoFilesError) or not isinstance(exc, ConfigError):
+                raise missing from None  # no Parquet files either: the index's error
+            if "pip install" in str(exc):
+                raise missing from None  # (pyarrow missing: can't tell; say what is sure)
+            raise

@@ -152,6 +152,8 @@ def test_glob_matching_nothing_and_unknown_column(tmp_path: Path, local: Path) -
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"empty: no file matches '\*\*/\*.parquet'"):
         StreamingDataset(tmp_path / "empty", cache_dir=tmp_path / "c2", columns=["id"])
+    with pytest.raises(ObjectNotFoundError, match="index.json"):  # neither kind: the index's
+        StreamingDataset(tmp_path / "empty", cache_dir=tmp_path / "c2")
     with pytest.raises(ConfigError, match="no file matches 'nope/\\*.parquet'"):
         StreamingDataset(local, cache_dir=tmp_path / "c", files="nope/*.parquet")
     with pytest.raises(ConfigError, match="no column 'nope'"):
