@@ -14,6 +14,7 @@ from .errors import (
     CacheError,
     ChecksumMismatchError,
     ConfigError,
+    CorruptFooterError,
     CorruptIndexError,
     DataError,
     DatasetExistsError,
@@ -24,6 +25,7 @@ from .errors import (
     ObjectNotFoundError,
     ResumeStateError,
     RetriesExhaustedError,
+    SchemaMismatchError,
     SerializationError,
     StorageError,
     StorageTimeoutError,
@@ -37,6 +39,7 @@ from .errors import (
     WorkerStartError,
     WriteConflictError,
 )
+from .format.images import DecodeImages
 from .optimize import OptimizeResult, optimize
 from .read.prefetch import prefetch
 from .read.token_blocks import TokenBlocks
@@ -44,8 +47,9 @@ from .write.upload import UploadSummary, upload
 
 if typing.TYPE_CHECKING:
     from .torch.cache import Cache, CacheNotFilledError
-    from .torch.dataloader import CacheDataLoader, LoaderStats
+    from .torch.dataloader import CacheDataLoader
     from .torch.fetcher import Fetcher, FetcherStats
+    from .torch.loader_stats import LoaderStats
     from .torch.mixed import MixedDataset, Stream
     from .torch.streaming import StreamingDataset
 
@@ -55,7 +59,7 @@ _LAZY = {
     "Cache": ".torch.cache",
     "CacheNotFilledError": ".torch.cache",
     "CacheDataLoader": ".torch.dataloader",
-    "LoaderStats": ".torch.dataloader",
+    "LoaderStats": ".torch.loader_stats",
     "Fetcher": ".torch.fetcher",
     "FetcherStats": ".torch.fetcher",
     "StreamingDataset": ".torch.streaming",
@@ -91,10 +95,12 @@ __all__ = [
     "CacheNotFilledError",
     "ChecksumMismatchError",
     "ConfigError",
+    "CorruptFooterError",
     "CorruptIndexError",
     "DataError",
     "DatasetExistsError",
     "DatasetRewrittenError",
+    "DecodeImages",
     "DiskFullError",
     "DownloadStats",
     "Fetcher",
@@ -107,6 +113,7 @@ __all__ = [
     "OptimizeResult",
     "ResumeStateError",
     "RetriesExhaustedError",
+    "SchemaMismatchError",
     "SerializationError",
     "Settings",
     "StorageError",
