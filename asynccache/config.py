@@ -58,7 +58,7 @@ class Settings:
     max_concurrency: int = 16
     prefetch_chunks: int = 4
     part_bytes: int = DEFAULT_PART_BYTES  # cloud links: parallel parts keep slow links full
-    # The part size adapts to the link as downloads run (docs/cache.md), starting from
+    # The part size adapts to the link as downloads run (docs/tuning.md), starting from
     # part_bytes. None: adapt unless part_bytes was set (from_env, or a value other than
     # the default given here); an explicit ASYNCCACHE_PART_BYTES fixes the size.
     adaptive_parts: bool | None = None
@@ -95,7 +95,7 @@ class Settings:
     first_batch_here: bool = True
     # With DataLoader workers, the main process starts downloading each worker's first
     # chunks while the workers start, on a slow link; the workers then find them
-    # downloading (off: each worker fetches its own; docs/cache.md, "The workers' first
+    # downloading (off: each worker fetches its own; docs/tuning.md, "The workers' first
     # chunks": measured, it paid only where the workers were slow to start).
     head_start: bool = False
     # How the S3 and HTTP backends receive chunk parts: "direct" (our own HTTP/1.1

@@ -73,8 +73,10 @@ _ATTEMPTS = 4
 
 
 def is_parquet_url(url: str) -> bool:
-    """``hf://datasets/...`` or a URL of one ``.parquet`` file's folder: read as Parquet."""
-    return url.startswith("hf://") or url.rstrip("/").endswith(".parquet")
+    """A URL of one ``.parquet`` file's folder: read as Parquet without looking for an
+    index. (An ``hf://`` repository may hold a written dataset's ``index.json``: it is
+    looked for first, as under any other URL.)"""
+    return url.rstrip("/").endswith(".parquet")
 
 
 class ParquetSource(UnitSource):

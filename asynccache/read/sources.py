@@ -35,11 +35,11 @@ def open_source(
     """The source at ``url``:
 
     * ``files=`` a glob of other files: a folder of files, one item per file;
-    * ``files=`` a glob of ``.parquet`` files, ``columns=``, an ``hf://`` URL or a URL
-      ending in ``.parquet``: a Parquet source;
-    * otherwise a written dataset (its ``index.json``), or, where there is none (or it is
-      another tool's, such as litdata's index of Parquet files), the ``.parquet`` files
-      under ``url``.
+    * ``files=`` a glob of ``.parquet`` files, ``columns=`` or a URL ending in
+      ``.parquet``: a Parquet source;
+    * otherwise (an ``hf://`` repository too) a written dataset (its ``index.json``), or,
+      where there is none (or it is another tool's, such as litdata's index of Parquet
+      files), the ``.parquet`` files under ``url``.
 
     Raises:
         ConfigError: options of one kind given for another.

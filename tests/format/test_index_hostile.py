@@ -134,10 +134,13 @@ def _mutate(doc: Any, path: tuple[Any, ...], op: str, value: Any) -> Any:
 
 
 def _sealed(doc: Any) -> str:
-    """``doc`` as a writer would seal it (a root that is no object can't carry a seal)."""
+    """``doc`` as a writer would seal it (a root that is no object, or an empty one, can't
+    carry a seal: its body has no closing brace on a line of its own)."""
     if not isinstance(doc, dict):
         return json.dumps(doc)
     doc = {k: v for k, v in doc.items() if k != INDEX_CHECKSUM_FIELD}
+    if not doc:
+        return json.dumps(doc)
     return seal(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
