@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -21,15 +22,20 @@ PER_CHUNK = 4
 
 def _on_disk(cache: Path) -> int:
     """Bytes of every file in the cache but its locks and the index's column sidecar
-    (kept outside the budget, see docs/cache.md): what the budget bounds."""
-    return sum(
-        p.stat().st_size
-        for p in cache.rglob("*")
-        if p.is_file()
-        and ".locks" not in p.parts
-        and p.name != ".evict.lock"
-        and not SIDECAR_RE.fullmatch(p.name)
-    )
+    (kept outside the budget, see docs/cache.md): what the budget bounds. Read while
+    downloads run: a temp file renamed or removed between the listing and its stat counts
+    as gone."""
+    total = 0
+    for p in cache.rglob("*"):
+        if ".locks" in p.parts or p.name == ".evict.lock" or SIDECAR_RE.fullmatch(p.name):
+            continue
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 @pytest.mark.parametrize("name", ["data_{:04d}.bin", "shard.{}.tar", "chunk {}.bin"])
