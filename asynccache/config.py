@@ -219,6 +219,37 @@ def launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | No
     return rank, world
 
 
+def local_env(environ: Mapping[str, str] | None = None) -> tuple[int | None, int] | None:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` set by a launcher such as torchrun (the rank's
+    place on its node, and the ranks per node), or None when ``LOCAL_WORLD_SIZE`` is unset;
+    ``LOCAL_RANK`` is None when unset.
+
+    Raises:
+        ConfigError: either is not an integer, ``LOCAL_WORLD_SIZE`` is below 1, or
+            ``LOCAL_RANK`` is outside it.
+    """
+    env = os.environ if environ is None else environ
+    if "LOCAL_WORLD_SIZE" not in env:
+        return None
+    try:
+        size = int(env["LOCAL_WORLD_SIZE"])
+    except ValueError as exc:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']!r} must be an integer"
+        ) from exc
+    if size < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={size} must be at least 1")
+    if "LOCAL_RANK" not in env:
+        return None, size
+    try:
+        rank = int(env["LOCAL_RANK"])
+    except ValueError as exc:
+        raise ConfigError(f"LOCAL_RANK={env['LOCAL_RANK']!r} must be an integer") from exc
+    if not 0 <= rank < size:
+        raise ConfigError(f"LOCAL_RANK={rank} is outside LOCAL_WORLD_SIZE={size}")
+    return rank, size
+
+
 def _var(name: str) -> str:
     return PREFIX + name.upper()
 

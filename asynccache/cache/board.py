@@ -1,7 +1,9 @@
 """Where each reader of a node stands in its epoch: one small shared file per read plan.
 
-``<dataset dir>/.locks/plan-<key>.board`` has one fixed-width slot per reader, written
-only by that reader (``pwrite`` of its slot, no lock) each time it starts reading a chunk,
+``<dataset dir>/.locks/plan-<key>.board`` has one fixed-width slot per reader of the node
+(the key names the way of reading and the node's ranks: two nodes that share a directory
+by mistake keep two boards, unless they read the same ranks, and so the same plan),
+written only by that reader (``pwrite`` of its slot, no lock) each time it starts reading a chunk,
 and read by any process that evicts. A slot holds ``epoch variant position``.
 
 It is a hint, never a source of truth: a slot that is missing or torn, or names an

@@ -1,8 +1,10 @@
 """Eviction and prefetch that follow the node's epoch plan. Pure: no I/O, no clock, no locks.
 
 Every process on a node can compute what every reader of the node (each DataLoader
-worker of each rank) reads this epoch and the next, in order: the sampler is
-deterministic. An :class:`EpochPlan` holds that as *runs* (see
+worker of each data-parallel rank read on the node: the readers sharing its cache
+directory, see :mod:`asynccache.sampling.nodes`) reads this epoch and the next, in order:
+the sampler is deterministic. Readers on other nodes are not in the plan: what they read
+takes no room in this node's cache. An :class:`EpochPlan` holds that as *runs* (see
 :mod:`asynccache.sampling.runs`): chunk ``c`` is read by reader ``r`` over positions
 ``[start, end)`` of ``r``'s part of the epoch. With where each reader stands (its epoch
 and position, from the :mod:`.board`), :class:`PlanPolicy` answers the two questions
@@ -56,7 +58,8 @@ class EpochPlan:
     """What every reader of the node reads in one epoch.
 
     Args:
-        streams: one per reader, rank-major (reader ``rank * workers + worker``).
+        streams: one per reader of the node, rank-major (reader ``i * workers + worker``
+            for the node's ``i``-th rank).
         sizes: bytes of each chunk, by chunk number.
     """
 

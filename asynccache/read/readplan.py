@@ -2,8 +2,9 @@
 
 ``StreamingDataset`` hands each epoch's plan to its :class:`~asynccache.read.source.DatasetSource`
 (:meth:`~asynccache.read.source.DatasetSource.plan_epoch`). From the deterministic order the
-source computes what every reader of the node (every DataLoader worker of every rank)
-reads this epoch and the next (:mod:`asynccache.sampling.runs`), and:
+source computes what every reader of the node (every DataLoader worker of every
+data-parallel rank read on this node, :mod:`asynccache.sampling.nodes`) reads this epoch
+and the next (:mod:`asynccache.sampling.runs`), and:
 
 * gives the chunk store a :class:`~asynccache.cache.plan.PlanPolicy`: plan-aware eviction
   and a node-wide prefetch room;
@@ -33,6 +34,7 @@ from ..cache.layout import local_name
 from ..cache.plan import EpochPlan, PlanPolicy, Stream, cold_bound, warm_bound
 from ..errors import ConfigError, DiskFullError
 from ..format import Index
+from ..sampling.nodes import NodeLayout
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.partition import Interval, Segment
 from ..sampling.runs import ReaderRuns, reader_runs, reader_segments, window_runs
@@ -83,7 +85,9 @@ class ReaderPlace:
     """Where one reader stands in the node's epoch: the positions still to read
     (``remaining``, split over ``world`` ranks x ``num_workers`` workers in batches of
     ``batch_size``, of which each rank's consumer received ``received``), and which
-    reader of them it is (``rank``, ``worker``: the logical worker it plays)."""
+    reader of them it is (``rank``, ``worker``: the logical worker it plays). ``nodes``:
+    the ranks each node reads, this reader's node among them (None: one node reads
+    every rank)."""
 
     epoch: int
     remaining: tuple[Interval, ...]
@@ -94,6 +98,7 @@ class ReaderPlace:
     worker: int
     batch_size: int
     drop_last: bool
+    nodes: NodeLayout | None = None
 
 
 class EpochSpec:
@@ -115,20 +120,49 @@ class EpochSpec:
         self.num_workers, self.worker = place.num_workers, place.worker
         self.batch_size, self.drop_last = place.batch_size, place.drop_last
         self.seed, self.shuffle, self.window = order.seed, order.shuffle, order.window
+        nodes = place.nodes
+        if nodes is not None and any(r >= self.world for g in nodes.groups for r in g):
+            nodes = None  # a layout of another world (a state's): planned as one node
+        if (
+            nodes is not None
+            and nodes.ranks == tuple(range(self.world))
+            and len(nodes.distinct()) == 1
+        ):
+            nodes = None  # every node reads every rank: the one-node plan, and its board
+        self.nodes = nodes
+        #: The ranks read on this node, in the order of their readers' board slots.
+        self.ranks: tuple[int, ...] = tuple(range(self.world)) if nodes is None else nodes.ranks
 
     @property
     def readers(self) -> int:
-        return self.world * self.num_workers
+        """The readers on this node: its ranks x workers."""
+        return len(self.ranks) * self.num_workers
 
     @property
     def me(self) -> int:
-        return self.rank * self.num_workers + self.worker
+        """This reader's slot among the node's (replicas of one rank share it)."""
+        return self.ranks.index(self.rank) * self.num_workers + self.worker
+
+    def node_specs(self) -> list[EpochSpec]:
+        """This way of reading as each node reads it: one spec per distinct group of
+        ranks (just this one on one node)."""
+        if self.nodes is None:
+            return [self]
+        out = []
+        for group in self.nodes.distinct():
+            nodes = NodeLayout(self.nodes.groups, self.nodes.groups.index(group))
+            place = dataclasses.replace(self.place, nodes=nodes, rank=group[0])
+            out.append(EpochSpec(place, self.order, self.units, self.view))
+        return out
 
     def key(self, checksum: str) -> str:
-        """The board of this way of reading the dataset (any epoch)."""
+        """The board of this way of reading the dataset (any epoch) on this node: two
+        nodes' plans share a board only where they read the same ranks (the same plan)."""
         way = (*self.order.identity(), self.world, self.num_workers)
         if self.view is not None:
             way += (self.view.way,)
+        if self.nodes is not None:
+            way += (("node", *self.ranks),)
         raw = repr((checksum, *way, self.batch_size, self.drop_last))
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -200,14 +234,16 @@ class PlanCache:
         project = s.view.project(epoch) if s.view is not None else None
         by_windows = self._by_windows(order)
         streams = []
-        for segs in reader_segments(
+        every = reader_segments(
             remaining,
             world=s.world,
             num_workers=s.num_workers,
             batch_size=s.batch_size,
             drop_last=s.drop_last,
             received=received,
-        ):
+        )
+        nw = s.num_workers
+        for segs in (every[r * nw + w] for r in s.ranks for w in range(nw)):
             if project is not None:
                 segs = project(segs)
             last = getattr(order.units, "last_chunks", None)
@@ -439,13 +475,19 @@ def least_bytes(index: Index, readers: int) -> int:
     return CHUNKS_PER_READER * largest * max(1, readers)
 
 
+def _ranks_here(spec: EpochSpec) -> str:
+    if spec.nodes is None:
+        return f"{spec.world} ranks"
+    return f"{len(spec.ranks)} of {spec.world} ranks, read on this node,"
+
+
 def min_budget_message(url: str, budget: int, least: int, spec: EpochSpec) -> str:
     mib = 1 << 20
     return (
         f"{url}: the cache budget (ASYNCCACHE_MAX_CACHE_BYTES / max_cache_bytes, or less "
         f"where the file system holds less: {budget} bytes, {budget / mib:.1f} MiB) is "
         f"below the minimum of {least} bytes ({least / mib:.1f} MiB) for {spec.readers} "
-        f"readers ({spec.world} ranks x {spec.num_workers} workers) sharing this node's "
+        f"readers ({_ranks_here(spec)} x {spec.num_workers} workers) sharing this node's "
         f"cache: {CHUNKS_PER_READER} of the largest chunk per reader (the chunk it reads "
         f"and the next one, which a batch straddles). Raise the budget to at least "
         f"{least}, or read with fewer workers"
@@ -519,9 +561,11 @@ class Fitted:
 
 def fit_window(url: str, index: Index, spec: EpochSpec, budget: int) -> Fitted:
     """The largest shuffle window, at most ``spec.window``, whose plan's minimum (what the
-    readers hold at once, see :class:`~asynccache.cache.plan.EpochPlan`) fits ``budget``;
-    window 1 when none does. A pure function of (the requested window, the budget, the
-    readers, the chunks and the order), so every reader that asks gets the same answer.
+    readers hold at once, see :class:`~asynccache.cache.plan.EpochPlan`) fits ``budget``
+    on every node (each node's plan counts its own readers); window 1 when none does. A
+    pure function of (the requested window, the budget, the node layout, the readers, the
+    chunks and the order), so every reader that asks gets the same answer: on every node
+    where the budget is the same.
 
     Raises:
         ConfigError: ``budget`` is below :func:`least_bytes`.
@@ -530,14 +574,21 @@ def fit_window(url: str, index: Index, spec: EpochSpec, budget: int) -> Fitted:
     want = spec.window
     if not spec.shuffle or want <= 1:
         return Fitted(want, want, budget, 0, 0)
-    needed = plan_minimum(index, spec, want)
+    # Every node reads one order: the window is fitted to the node whose plan needs most
+    # (each node works this out for all, so all choose the same window).
+    specs = spec.node_specs()
+
+    def minimum(window: int) -> int:
+        return max(plan_minimum(index, s, window) for s in specs)
+
+    needed = minimum(want)
     if needed <= budget:
         return Fitted(want, want, budget, needed, needed)
     # Not monotone in the window (a window of 3 can split a reader's part where 4 does
     # not, and share more chunks): the largest that fits, looked at one by one.
     needs = needed
     for window in range(want - 1, 0, -1):
-        needs = plan_minimum(index, spec, window)
+        needs = minimum(window)
         if needs <= budget:
             return Fitted(window, want, budget, needs, needed)
     return Fitted(1, want, budget, needs, needed)
@@ -556,8 +607,8 @@ def raise_if_disk_below(
         raise DiskFullError(
             f"{url}: the file system of the cache dir {cache_dir} holds {capacity} bytes "
             f"({capacity / mib:.1f} MiB), less than the {least} bytes "
-            f"({least / mib:.1f} MiB) that {spec.readers} readers ({spec.world} "
-            f"ranks x {spec.num_workers} workers) sharing this node's cache read at once "
+            f"({least / mib:.1f} MiB) that {spec.readers} readers ({_ranks_here(spec)} "
+            f"x {spec.num_workers} workers) sharing this node's cache read at once "
             f"({CHUNKS_PER_READER} of the largest chunk per reader). Give the cache a "
             f"larger file system (ASYNCCACHE_CACHE_DIR), or read with fewer workers"
         )

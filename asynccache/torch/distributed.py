@@ -1,17 +1,21 @@
-"""Where this process sits: rank and world size, DataLoader worker id and count, and the
-data-parallel rank it reads as (:class:`DataParallel`)."""
+"""Where this process sits: rank and world size, DataLoader worker id and count, the
+data-parallel rank it reads as (:class:`DataParallel`), and the node whose cache it shares
+(:func:`node_layout`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
-from ..config import launch_env
+from ..config import launch_env, local_env
 from ..errors import ConfigError
+from ..sampling import nodes
 from ..sampling.groups import check_dp, replicated
+from ..sampling.nodes import NodeLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +24,7 @@ class World:
     world_size: int = 1
     worker: int = 0
     num_workers: int = 1
+    nodes: NodeLayout | None = None  # the DP ranks each node reads (None: one node)
 
     @property
     def writer_id(self) -> int:
@@ -38,12 +43,17 @@ def rank_and_world() -> tuple[int, int]:
     return launch_env() or (0, 1)
 
 
-def current(num_workers: int | None = None, captured: tuple[int, int] | None = None) -> World:
+def current(
+    num_workers: int | None = None,
+    captured: tuple[int, int] | None = None,
+    nodes: NodeLayout | None = None,
+) -> World:
     """This process's place. ``num_workers`` is the loader's count when called outside one.
 
     ``captured`` (the rank and world size a dataset reads as, which its main process
     worked out: the data-parallel ones) wins over what the process can see itself; a
-    DataLoader worker can't see the process group.
+    DataLoader worker can't see the process group. ``nodes``: the node layout the main
+    process worked out (:func:`node_layout`).
     """
     info = get_worker_info()
     if captured is not None:
@@ -51,8 +61,8 @@ def current(num_workers: int | None = None, captured: tuple[int, int] | None = N
     else:
         rank, size = rank_and_world()
     if info is not None:
-        return World(rank, size, info.id, info.num_workers)
-    return World(rank, size, 0, max(1, num_workers or 1))
+        return World(rank, size, info.id, info.num_workers, nodes)
+    return World(rank, size, 0, max(1, num_workers or 1), nodes)
 
 
 def require_group(rank: int, world: int, what: str) -> None:
@@ -178,3 +188,82 @@ class DataParallel:
         state = self.__dict__.copy()
         state["group"] = None  # (resolved in the main process; a worker has no group)
         return state
+
+
+_hosts: list[str] | None = None  # every rank's hostname, gathered once per process
+
+
+def _gather(value: object) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def node_of_ranks() -> list[int] | None:
+    """The node of every global rank, or None when nothing tells (one node).
+
+    From ``LOCAL_WORLD_SIZE`` (and ``LOCAL_RANK``, checked against it) when set: node
+    ``rank // LOCAL_WORLD_SIZE``. Else, or where ``LOCAL_RANK`` shows that a node's ranks
+    are not consecutive, from every rank's hostname, gathered over the default process
+    group the first time it is needed in the process (a collective: every rank makes its
+    datasets in the same order, as DDP needs anyway).
+
+    Raises:
+        ConfigError: ``LOCAL_WORLD_SIZE`` does not divide the world size, ``LOCAL_RANK``
+            is outside it, or disagrees with the rank where no process group can tell
+            the nodes by hostname.
+    """
+    global _hosts
+    rank, world = rank_and_world()
+    if world <= 1:
+        return None
+    local = local_env()
+    if local is not None:
+        try:
+            return nodes.contiguous(rank, world, local[0], local[1])
+        except nodes.LocalRankMismatch as exc:
+            if not _group_up():
+                raise ConfigError(
+                    f"{exc}; launch with consecutive ranks per node (as torchrun does), or "
+                    "initialise torch.distributed first so the nodes are told by hostname"
+                ) from exc
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    if not _group_up():
+        return None
+    if _hosts is None or len(_hosts) != world:
+        _hosts = [str(h) for h in _gather(socket.gethostname())]
+    return nodes.by_host(_hosts)
+
+
+def node_layout(dp: DataParallel, rank_world: tuple[int, int], reads: bool) -> NodeLayout | None:
+    """The data-parallel ranks each node reads, for a dataset split as ``dp`` (this rank
+    reads as ``rank_world``; ``reads``: False for a rank that reads nothing). None where
+    there is one node, or where several nodes run without a process group and the DP
+    ranks of the other ranks are not known (a ``data_parallel`` pair): every DP rank is
+    then planned on every node, as for one node.
+
+    Called in the main process when the dataset is made. Where there are several nodes
+    and a process group, every rank's DP rank (None where it reads nothing) is gathered
+    over it: a collective, so every rank makes its datasets in the same order (as DDP
+    needs anyway). Without a group, the DP ranks follow from the global ranks
+    (``replication``, or none given) and every rank counts as a reader.
+    """
+    node_of = node_of_ranks()
+    if node_of is None or max(node_of) == 0:
+        return None
+    rank, world = rank_and_world()
+    dp_of: list[int | None]
+    if _group_up():
+        dp_of = [None if d is None else int(d) for d in _gather(rank_world[0] if reads else None)]
+    elif dp.pair is not None or dp.grouped:
+        return None
+    elif dp.replication is not None:
+        dp_of = [r // dp.replication for r in range(world)]
+    else:
+        dp_of = list(range(world))
+    return nodes.layout(node_of, dp_of, rank)

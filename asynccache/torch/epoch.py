@@ -39,6 +39,7 @@ from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..read.batchread import Form
 from ..sampling import Plan, Segment, plan
+from ..sampling.nodes import NodeLayout
 from ..sampling.progress import Progress, worker_part
 from ..sampling.state import DatasetPosition, check_dataset_state
 from ..sampling.steps import Layout
@@ -110,6 +111,9 @@ class EpochDataset(IterableDataset[Any]):
         self._progress = Progress()
         self._yielded = 0
         self._rank_world = self.data_parallel.resolve()
+        # The DP ranks each node reads (None: one node), worked out once, here: it may
+        # gather over the process group, which every rank reaches when it makes the dataset.
+        self._nodes = distributed.node_layout(self.data_parallel, self._rank_world, self.reads)
         # None: each worker yields items (the DataLoader collates them); else each worker
         # yields whole batches of batch_size (the value: drop a short last batch).
         self._batch_mode: bool | None = None
@@ -173,7 +177,11 @@ class EpochDataset(IterableDataset[Any]):
         """This reader's place: its data-parallel rank and size, worker and workers."""
         if get_worker_info() is None:  # the main process sees the process group
             self._rank_world = self.data_parallel.resolve()
-        return distributed.current(num_workers or self.num_workers, captured=self._rank_world)
+        return distributed.current(
+            num_workers or self.num_workers,
+            captured=self._rank_world,
+            nodes=self.__dict__.get("_nodes"),
+        )
 
     def dp_rank_and_world(self) -> tuple[int, int]:
         """The data-parallel rank and size this dataset reads as."""
@@ -195,6 +203,7 @@ class EpochDataset(IterableDataset[Any]):
                 "batch_size": self.batch_size,
                 "num_workers": self.num_workers,
                 "rank_world": list(self._rank_world),
+                "nodes": None if self._nodes is None else self._nodes.to_json(),
                 "batched": self._batch_mode,
                 "head": self._head,
                 "batch_drop_last": self._batch_drop_last,
@@ -208,6 +217,7 @@ class EpochDataset(IterableDataset[Any]):
         self._progress = Progress.from_json(got["progress"])
         self.batch_size, self.num_workers = got["batch_size"], got["num_workers"]
         self._rank_world = (int(got["rank_world"][0]), int(got["rank_world"][1]))
+        self._nodes = NodeLayout.from_json(got.get("nodes"))
         self._batch_mode = got["batched"]
         self._head = int(got["head"])
         self._batch_drop_last = bool(got["batch_drop_last"])

@@ -55,6 +55,7 @@ def reader_place(
         worker=logical,
         batch_size=pr.batch_size,
         drop_last=drop_last,
+        nodes=world.nodes,
     )
 
 
@@ -281,19 +282,21 @@ class StreamingDataset(EpochDataset):
                 worker=0,
                 batch_size=batch,
                 drop_last=self.drop_last,
+                nodes=world.nodes if ranks == world.world_size else None,
             )
-            fitted = self.source.fit_window(EpochSpec(place, spec, self.units))
+            fitting = EpochSpec(place, spec, self.units)
+            fitted = self.source.fit_window(fitting)
             pinned = self.__dict__.get("_pinned_window")
             if pinned is not None and pinned > fitted.window:
                 raise ResumeStateError(
                     f"{self.source.url}: the state was saved reading with shuffle_window "
                     f"{pinned}, but this cache budget ({fitted.budget} bytes) holds "
-                    f"shuffle_window {fitted.window} for {ranks * workers} readers at most; "
+                    f"shuffle_window {fitted.window} for {fitting.readers} readers at most; "
                     "resume with a budget that holds the state's window"
                 )
             window = pinned if pinned is not None else fitted.window
             if window < spec.window:
-                log.info("%s: %s", self.source.url, fitted.why(ranks * workers))
+                log.info("%s: %s", self.source.url, fitted.why(fitting.readers))
             windows[key] = window
         return spec if window == spec.window else dataclasses.replace(spec, window=window)
 
