@@ -5,8 +5,9 @@ counting proxy in front of the store, ranks 2-3 with cache dir B and another pro
 * each node plans its own readers: its plan's minimum is that of its two ranks' readers,
   and a budget below the one-node minimum (two chunks for each of four ranks' readers,
   refused there) but above the per-node one runs;
-* per node, each chunk its readers read is fetched once in the cold epoch, no chunk only
-  the other node reads is fetched, and the second epoch stays within the node's warm
+* per node, each chunk its readers read is fetched at most once in the cold epoch (all
+  but those read by range alone), no chunk only the other node reads is fetched, and the
+  second epoch stays within the node's warm
   bound (``1.1 x (node's share - budget)``, or :func:`~asynccache.cache.plan.warm_bound`);
 * both nodes read one order (the same shuffle window), every sample once an epoch;
 * a state does not depend on the node layout;
@@ -119,7 +120,10 @@ def test_two_nodes_each_plan_their_own_readers(objstore, tmp_path):
         cold_log, warm_log = epochs(logs[node])
         cold, warm = downloads(cold_log, remote), downloads(warm_log, remote)
         share = {remote.index.filename(c) for st in this.streams for c in st.chunks.tolist()}
-        assert set(cold) == share, f"node {node} fetched the chunks its readers read"
+        assert set(cold) <= share, f"node {node} fetched a chunk only the other node reads"
+        # (A chunk its readers take only a few items of in their first batches may be read
+        # by range alone, and never downloaded whole.)
+        assert len(share - set(cold)) <= LOCAL * WORKERS, f"node {node} fetched too little"
         assert max(cold.values()) == 1, f"node {node}: a chunk fetched twice in one epoch"
         assert len(share) < CHUNKS, "a node reads its share, not the dataset"
         size = {c.filename: c.bytes for c in remote.index.chunks}
