@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EpochBatches"]
+__all__ = ["EpochBatches", "EpochIterator"]
 
 
 class EpochBatches:
-    """One epoch's batches as the consumer receives them, and how many it received.
+    """One epoch's count of the batches its consumer received.
 
     Invariants:
 
     * ``received`` is the only count the loader's state reports. It counts the batches
-      returned from ``__next__`` (plus ``received`` at the start, for a resumed epoch).
+      returned from the epoch's iterator (plus ``received`` at the start, for a resumed
+      epoch).
     * After ``close()`` nothing is counted any more: a batch that a producer thread
       stuck inside the source returns later is dropped, not handed out, not counted.
       The check and the count happen under one lock, so ``close()`` either precedes a
@@ -23,39 +25,51 @@ class EpochBatches:
     * ``map_order``: the epoch runs in the writing epoch's order (the writing epoch, or
       its rest read back from the filled cache); else in the streamed order.
     * ``ended``: the epoch's last batch was handed out (its iterator is exhausted).
+    * The loader keeps this count; only the consumer keeps the :class:`EpochIterator`
+      (this holds it weakly). An iterator the consumer drops (``break`` out of a loop)
+      is freed at once with the source's generator, which stops its workers then; the
+      loader's state still reports what was received. (Held strongly, the iterator and
+      the generator, whose frame holds the loader, would wait for the garbage collector,
+      which may run first in a forked worker of the next epoch.)
     """
-
-    close_is_thread_safe = True  # the Fetcher may close it while its thread is inside
 
     def __init__(self, epoch: int, map_order: bool, received: int) -> None:
         self.epoch, self.map_order, self.received = epoch, map_order, received
-        self._inner: Iterator[Any] = iter(())
+        self._iterator: weakref.ref[EpochIterator] | None = None
         # Reentrant: a Fetcher collected by the garbage collector closes its epoch from
-        # whatever thread the collection runs on, possibly one inside __next__ here.
+        # whatever thread the collection runs on, possibly one inside next() here.
         self._lock = threading.RLock()
         self._closed = False
-        self._running = False  # a thread is inside next(self._inner)
+        self._running = False  # a thread is inside next() of the source
         self.ended = False
 
-    def run(self, inner: Iterator[Any]) -> EpochBatches:
-        self._inner = inner
-        return self
+    def run(self, inner: Iterator[Any]) -> EpochIterator:
+        """The consumer's iterator over ``inner``, counted here."""
+        it = EpochIterator(self, inner)
+        self._iterator = weakref.ref(it)
+        return it
 
     def restart(self, epoch: int, map_order: bool) -> None:
         """The batches that follow belong to ``epoch``, from its start."""
         with self._lock:
             self.epoch, self.map_order, self.received = epoch, map_order, 0
 
-    def __iter__(self) -> EpochBatches:
-        return self
+    def close(self) -> None:
+        """Stop the epoch: no batch is handed out or counted after this returns."""
+        with self._lock:
+            self._closed = True
+            running = self._running
+        it = None if self._iterator is None else self._iterator()
+        if it is not None and not running:  # else the thread inside closes it on its way out
+            it.close_inner()
 
-    def __next__(self) -> Any:
+    def _next(self, inner: Iterator[Any]) -> Any:
         with self._lock:
             if self._closed:
                 raise StopIteration
             self._running = True
         try:
-            batch = next(self._inner)
+            batch = next(inner)
         except BaseException as exc:
             with self._lock:
                 self._running = False
@@ -67,19 +81,35 @@ class EpochBatches:
             if not closed:
                 self.received += 1
         if closed:
-            self._close_inner()
+            _close(inner)
             raise StopIteration
         return batch
 
-    def close(self) -> None:
-        """Stop the epoch: no batch is handed out or counted after this returns."""
-        with self._lock:
-            self._closed = True
-            running = self._running
-        if not running:  # else the thread inside it closes it when it comes out
-            self._close_inner()
 
-    def _close_inner(self) -> None:
-        close = getattr(self._inner, "close", None)
-        if callable(close):
-            close()
+class EpochIterator:
+    """What ``iter(loader)`` returns: the epoch's batches, each counted by its
+    :class:`EpochBatches`."""
+
+    close_is_thread_safe = True  # the Fetcher may close it while its thread is inside
+
+    def __init__(self, count: EpochBatches, inner: Iterator[Any]) -> None:
+        self.count, self._inner = count, inner
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self.count._next(self._inner)
+
+    def close(self) -> None:
+        """Stop the epoch (see :meth:`EpochBatches.close`)."""
+        self.count.close()
+
+    def close_inner(self) -> None:
+        _close(self._inner)
+
+
+def _close(it: Iterator[Any]) -> None:
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
