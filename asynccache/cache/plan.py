@@ -316,7 +316,8 @@ def cold_bound(plan: EpochPlan, budget: int) -> int:
     """The most bytes a cold epoch read by ``plan`` fetches under ``budget``: each chunk
     once (:attr:`EpochPlan.read_bytes`) at or above the plan's minimum; below it (a budget
     of two chunks per reader or more, see :mod:`asynccache.read.readplan`) a chunk two
-    readers read may be fetched twice."""
+    readers read may be fetched twice (once more where the main process, building the
+    epoch's first batches, fetched it before them: not counted here)."""
     extra = plan.shared_bytes if budget < plan.min_bytes else 0
     return plan.read_bytes + extra
 
@@ -337,8 +338,8 @@ def warm_bound(this: EpochPlan, following: EpochPlan, budget: int) -> int:
     for later in the epoch. With many chunks per reader the boundary is a few percent of
     the dataset and the target holds; with a dozen large chunks and several readers it
     does not (16 chunks, 2 readers, budget 0.6: the readers' last chunks alone are 0.125
-    of the dataset, against a target of 0.44). Below the plan's minimum, a chunk two
-    readers read may also be fetched twice.
+    of the dataset, against a target of 0.44). Below the plan's minimum, a chunk several
+    readers read may also be fetched more than once.
     """
     dataset = following.read_bytes
     if budget >= dataset:

@@ -497,7 +497,7 @@ def min_budget_message(url: str, budget: int, least: int, spec: EpochSpec) -> st
 def raise_if_below(url: str, budget: int, index: Index, spec: EpochSpec) -> None:
     """Refuse a budget below :func:`least_bytes` (above it a plan runs: below the plan's
     own minimum, see :func:`fit_window`, with a smaller shuffle window or, at window 1,
-    fetching a chunk two readers share twice an epoch)."""
+    fetching a chunk several readers share more than once an epoch)."""
     least = least_bytes(index, spec.readers)
     if budget < least:
         raise ConfigError(min_budget_message(url, budget, least, spec))
@@ -547,7 +547,8 @@ class Fitted:
         if not self.shrunk:
             return f"shuffle_window {self.window}: its plan needs {self.needs} bytes"
         below = (
-            "; even window 1 needs more, so a chunk two readers share may be fetched twice an epoch"
+            "; even window 1 needs more, so a chunk several readers share may be fetched more "
+            "than once an epoch"
             if self.needs > self.budget
             else ""
         )
