@@ -345,7 +345,11 @@ class Reader:
             if left < 0:
                 break
             want.setdefault(ci, []).append(pos)
-        return want
+        # A chunk more than half of whose items would come by range is fetched whole
+        # instead: about the same bytes, and it lands in the cache (items read by range
+        # are not kept: a chunk read all by range would be read by range again the next
+        # epoch, a warm one included).
+        return {ci: ps for ci, ps in want.items() if 2 * len(set(ps)) <= int(counts[ci])}
 
     def _fetch_early(self, want: dict[int, list[int]]) -> None:
         """Headers of the chunks in ``want`` (one round), then their items (one more),
