@@ -64,6 +64,14 @@ Two more modes, for what loopback hides:
   each with items/s, the bytes it fetched (counted by the proxy, with ``--link 0:0`` when no
   link is given) ÷ the dataset, and the cache dir's peak bytes ÷ the budget. A library that
   refuses the budget (below its minimum) is reported as such.
+* ``--budget [F,F,...]``: each library's cache limited to each fraction of its own dataset
+  (default 0.25, 0.5, 0.75) and, in the same repetition, unbounded; two epochs through one
+  loader over a fresh cache dir for each (in order; ``--budget-shuffle``: shuffled too),
+  each with MiB/s, its ratio to the same library unbounded (epoch 1 to the cold epoch,
+  epoch 2 to the warm one) and the bytes it fetched ÷ the dataset. asynccache's targets:
+  epoch 2 fetches at most 1.1 x (dataset - budget); at half the dataset the cold epoch
+  runs at >= 0.9 of the unbounded one, and epoch 2 at >= its saved fraction of the warm
+  one; a miss is named under the table.
 
 ``--sources``: data where it already lives instead (``compare_sources.py``): the same
 Parquet files and the same folder of JPEGs through asynccache and litdata (``ParquetLoader``,
@@ -76,13 +84,15 @@ epoch's requests as the proxy saw them (JSON).
 
     python benchmarks/compare.py [--shapes all] [--total-mb 256] [--chunk-mb 64] [--item-kb 100] [--batch 64]
         [--workers 2] [--reps 3] [--libs asynccache,litdata,mosaic] [--no-memory-check]
-        [--link LAT_MS:MBPS] [--budget-mb N] [--src-dir DIR] [--gets-log PATH]
+        [--link LAT_MS:MBPS] [--budget-mb N] [--budget [F,F,...]] [--budget-shuffle]
+        [--src-dir DIR] [--gets-log PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -521,6 +531,8 @@ class Setup:
     proxy: Proxy | None = None  # the link every library reads through (None: loopback)
     sizes: dict[str, int] = field(default_factory=dict)  # object bytes by GET path
     budget: int | None = None  # each library's cache limit, bytes (None: its default)
+    fractions: tuple[float, ...] = ()  # --budget: cache limits as fractions of each dataset
+    budget_orders: tuple[bool, ...] = (False,)  # --budget: shuffle off (and on)
     shape: Shape | None = None  # --shapes: the shape read (None: arrays of item_bytes)
     written: int = 0  # --shapes: the items (documents) written
     prefix: str = ""  # --shapes: the shape's folder in the bucket
@@ -655,10 +667,19 @@ class Lib:
     second: list[Epoch] = field(default_factory=list)  # --budget-mb: epoch 2 (cold: 1)
     path: str = ""  # --shapes, asynccache: whole batches ("batch") or item by item
     refused: str = ""  # --budget-mb: why the library refused the budget
+    # --budget: (fraction or None for unbounded, shuffled) -> [(epoch 1, epoch 2)] per rep,
+    # or why the library refused that budget
+    fractions: dict[tuple[float | None, bool], list[tuple[Epoch, Epoch]]] = field(
+        default_factory=dict
+    )
+    refusals: dict[tuple[float | None, bool], str] = field(default_factory=dict)
 
 
 def library_epochs(s: Setup, lib: Lib, rep: int) -> None:
     """Cold, warm (same loader), shuffled cold: each from a fresh cache dir."""
+    if s.fractions:
+        fraction_epochs(s, lib, rep)
+        return
     if s.budget is not None:
         budget_epochs(s, lib, rep)
         return
@@ -776,6 +797,62 @@ def budget_epochs(s: Setup, lib: Lib, rep: int) -> None:
     )
     for name, e in (("epoch 1", first), ("epoch 2", second)):
         print(f"    {name} GETs: {gets_line(e.gets)}", flush=True)
+
+
+def fraction_epochs(s: Setup, lib: Lib, rep: int) -> None:
+    """--budget: for each order, two epochs through one loader over a fresh cache dir with
+    no limit (each library's default), then with the cache limited to each fraction of the
+    library's own dataset. Budgets run in a rotated order per repetition, so no budget
+    always runs first on a machine that warms up or loads up."""
+    from asynccache import ConfigError
+
+    runs: list[float | None] = [None, *s.fractions]
+    runs = runs[rep % len(runs) :] + runs[: rep % len(runs)]
+    for shuffle in s.budget_orders:
+        for fraction in runs:
+            key = (fraction, shuffle)
+            if key in lib.refusals:
+                continue
+            budget = None if fraction is None else int(fraction * lib.payload)
+            run = dataclasses.replace(s, budget=budget)
+            opener = OPENERS[lib.name]
+            name = f"{lib.name}-{rep}-{fraction}-{int(shuffle)}"
+            cache = s.cache(name)
+            tag = "unbounded" if fraction is None else f"budget {fraction}"
+            try:
+                first, loader = timed(
+                    run,
+                    lambda run=run, cache=cache, o=opener, sh=shuffle: o(run, cache, sh, rep),
+                    cache,
+                    f"{name} epoch 1",
+                )
+                second, _ = timed(run, lambda loader=loader: loader, cache, f"{name} epoch 2")
+            except (ConfigError, *REFUSALS) as exc:
+                lib.refusals[key] = f"refused: {last_line(exc)}"
+            except RuntimeError as exc:
+                if lib.name == "asynccache":
+                    raise
+                lib.refusals[key] = f"failed: {last_line(exc)}"
+            if key in lib.refusals:
+                print(f"  {lib.name} {tag}: {lib.refusals[key]}", flush=True)
+                forget(lib.name)
+                shutil.rmtree(cache, ignore_errors=True)
+                continue
+            del loader, _
+            forget(lib.name)
+            shutil.rmtree(cache, ignore_errors=True)
+            for e in (first, second):
+                if e.items != s.n:
+                    raise SystemExit(f"{lib.name}: an epoch yielded {e.items} of {s.n} items")
+            lib.fractions.setdefault(key, []).append((first, second))
+            got = [(e.gets.bytes if e.gets else 0) / lib.payload for e in (first, second)]
+            mib = [e.items * s.item_bytes / e.seconds / MIB for e in (first, second)]
+            print(
+                f"  {lib.name} {tag}{' shuffled' if shuffle else ''}: epoch 1 {mib[0]:,.0f} "
+                f"MiB/s (fetched {got[0]:.3f} x), epoch 2 {mib[1]:,.0f} MiB/s (fetched "
+                f"{got[1]:.3f} x); load {limits.loadavg()}",
+                flush=True,
+            )
 
 
 # -- limits -----------------------------------------------------------------------------------
@@ -962,9 +1039,11 @@ def run(args: argparse.Namespace) -> None:
         # On a link each connection is capped: what the link allows is what every
         # connection the workers may open (the part size adapts to keep them busy) carries.
         concurrency = args.workers * settings.max_concurrency
-    if link is None and args.budget_mb is not None:
+    if link is None and (args.budget_mb is not None or args.budget):
         link = (0.0, 0)  # a proxy without link knobs, to count the bytes fetched
     budget = None if args.budget_mb is None else args.budget_mb << 20
+    fractions = tuple(float(x) for x in args.budget.split(",")) if args.budget else ()
+    orders = (False, True) if args.budget_shuffle else (False,)
     work = Path(tempfile.mkdtemp(prefix="asynccache-compare-"))
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_before = limits.loadavg()
@@ -977,7 +1056,16 @@ def run(args: argparse.Namespace) -> None:
             if link is not None:
                 proxy = Proxy(store.endpoint_url, *link)
             setup = Setup(
-                store, n, item_bytes, args.batch, args.workers, work, proxy, budget=budget
+                store,
+                n,
+                item_bytes,
+                args.batch,
+                args.workers,
+                work,
+                proxy,
+                budget=budget,
+                fractions=fractions,
+                budget_orders=orders,
             )
             src = work / "src"
             if args.src_dir:  # written once per shape, kept for later runs
@@ -1065,6 +1153,9 @@ def run(args: argparse.Namespace) -> None:
             json.dump(GETS_LOG, f)
     if not args.reps:
         return  # written (and uploaded) only
+    if fractions:
+        report_fractions(args, setup, results, date, load_before)
+        return
     if budget is not None:
         report_budget(args, setup, results, lim, concurrency, date, load_before)
         return
@@ -1510,6 +1601,89 @@ def report_budget(
     )
 
 
+def report_fractions(
+    args: argparse.Namespace, s: Setup, results: list[Lib], date: str, load_before: str
+) -> None:
+    """--budget: per library, order and budget, both epochs' MiB/s and bytes fetched ÷
+    the dataset, beside the same library unbounded in the same repetitions (epoch 1 ÷ its
+    cold epoch, epoch 2 ÷ its warm one), and asynccache's targets."""
+    cell, med = limits.cell, statistics.median
+    header(args, s, date, load_before)
+    print(
+        "each library's cache limited to a fraction of its own dataset; two epochs through "
+        "one loader over a fresh cache dir; bytes fetched counted at the proxy (every GET of "
+        "the dataset's files)"
+    )
+    print(
+        "\n| library | order | budget ÷ dataset | epoch 1 MiB/s | ÷ unbounded cold | epoch 1 "
+        "fetched ÷ dataset | epoch 2 MiB/s | ÷ unbounded warm | epoch 2 fetched ÷ dataset "
+        "| epoch 2 target | cache dir peak ÷ budget |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    misses: list[str] = []
+
+    def mib(e: Epoch) -> float:
+        return e.items * s.item_bytes / e.seconds / MIB
+
+    for lib in results:
+        for shuffle in s.budget_orders:
+            order = "shuffled" if shuffle else "in order"
+            base = lib.fractions.get((None, shuffle), [])
+            for fraction in (None, *s.fractions):
+                key = (fraction, shuffle)
+                share = "unbounded" if fraction is None else f"{fraction:g}"
+                if key in lib.refusals:
+                    print(f"| {lib.name} | {order} | {share} | {lib.refusals[key]} "
+                          "| | | | | | | |")  # fmt: skip
+                    continue
+                runs = lib.fractions.get(key, [])
+                if not runs:
+                    continue
+                one, two = [a for a, _ in runs], [b for _, b in runs]
+                got1 = [(e.gets.bytes if e.gets else 0) / lib.payload for e in one]
+                got2 = [(e.gets.bytes if e.gets else 0) / lib.payload for e in two]
+                pairs = list(zip(runs, base, strict=False))
+                cold = [mib(a) / mib(b[0]) for (a, _), b in pairs]
+                warm = [mib(a) / mib(b[1]) for (_, a), b in pairs]
+                target = "-" if fraction is None else f"<= {1.1 * (1 - fraction):.3f}"
+                budget = None if fraction is None else fraction * lib.payload
+                peaks = (
+                    "-"
+                    if budget is None
+                    else cell([max(a.peak_dir, b.peak_dir) / budget for a, b in runs], ".2f")
+                )
+                print(
+                    f"| {lib.name} | {order} | {share} | {cell([mib(e) for e in one])} "
+                    f"| {cell(cold, '.2f') if fraction is not None else '-'} "
+                    f"| {cell(got1, '.3f')} | {cell([mib(e) for e in two])} "
+                    f"| {cell(warm, '.2f') if fraction is not None else '-'} "
+                    f"| {cell(got2, '.3f')} | {target} | {peaks} |"
+                )
+                if lib.name != "asynccache" or fraction is None:
+                    continue
+                if med(got2) > 1.1 * (1 - fraction):
+                    misses.append(
+                        f"{order} {fraction:g}: epoch 2 fetched {med(got2):.3f} > "
+                        f"{1.1 * (1 - fraction):.3f}"
+                    )
+                if fraction == 0.5 and cold and med(cold) < 0.9:
+                    misses.append(
+                        f"{order} 0.5: epoch 1 at {med(cold):.2f} of the unbounded cold epoch "
+                        "(target >= 0.9)"
+                    )
+                saved = 1 - med(got2)
+                if warm and med(warm) < saved:
+                    misses.append(
+                        f"{order} {fraction:g}: epoch 2 at {med(warm):.2f} of the warm epoch, "
+                        f"below its saved fraction {saved:.2f}"
+                    )
+    print(
+        "\nasynccache's targets: epoch 2 fetches <= 1.1 x (dataset - budget); at 0.5 the cold "
+        "epoch runs at >= 0.9 of the unbounded one, and epoch 2 at >= its saved fraction of "
+        "the warm one: " + ("all met" if not misses else "not met: " + "; ".join(misses))
+    )
+
+
 def print_memory(s: Setup, m: Memory) -> None:
     cell = limits.cell
     print(
@@ -1614,6 +1788,19 @@ def main() -> None:
         type=int,
         metavar="N",
         help="each library's cache limit, MiB: two epochs per loader instead of cold/warm",
+    )
+    ap.add_argument(
+        "--budget",
+        nargs="?",
+        const="0.25,0.5,0.75",
+        metavar="F,F,...",
+        help="each library's cache limited to these fractions of its dataset (default "
+        "0.25,0.5,0.75), and unbounded: two epochs each, MiB/s and bytes fetched",
+    )
+    ap.add_argument(
+        "--budget-shuffle",
+        action="store_true",
+        help="with --budget: shuffled epochs too",
     )
     ap.add_argument(
         "--shapes",
