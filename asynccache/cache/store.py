@@ -754,6 +754,14 @@ class ChunkStore:
         used, _ = usage.scan(self.cache_dir, self.root)
         return self._budget_of(used, room)
 
+    def steady_budget(self) -> int:
+        """The budget as every process of the node sees it at any moment: ``max_cache_bytes``,
+        or the file system's size less its margin where that is smaller. Unlike
+        :meth:`budget`, it does not follow what other files take meanwhile, so choices that
+        every reader must make alike (the shuffle window a dataset is read with)
+        are made from it."""
+        return min(self.max_cache_bytes, self.disk_bytes())
+
     def fits(self, nbytes: int) -> bool:
         """``nbytes`` fit in :meth:`budget` (a whole dataset, a plan's minimum)."""
         return nbytes <= self.budget()

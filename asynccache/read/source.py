@@ -454,9 +454,11 @@ class DatasetSource:
 
     def fit_window(self, spec: EpochSpec) -> Fitted:
         """The shuffle window the node reads ``spec``'s order with under this cache's
-        budget (the store's answer: the setting, or less where the file system holds
-        less): ``spec.window``, or the largest smaller one whose plan fits the budget
-        (:func:`~asynccache.read.readplan.fit_window`). A local dataset keeps its window.
+        budget (the store's steady answer: the setting, or the file system's size where
+        that is smaller; not what is free now, which differs from one rank or worker to the
+        next, and every reader must read one order): ``spec.window``, or the largest
+        smaller one whose plan fits the budget (:func:`~asynccache.read.readplan.fit_window`).
+        A local dataset keeps its window.
 
         Raises:
             ConfigError: the budget is below two of the largest chunk per reader.
@@ -466,7 +468,7 @@ class DatasetSource:
             return Fitted(spec.window, spec.window, 0, 0, 0)
         store = self.downloader().store
         raise_if_disk_below(self.url, str(store.cache_dir), store.disk_bytes(), self.index, spec)
-        return fit_window(self.url, self.index, spec, store.budget())
+        return fit_window(self.url, self.index, spec, store.steady_budget())
 
     def plan_epoch(self, spec: EpochSpec, skipped: int = 0) -> None:
         """This process is reader ``spec.place`` of an epoch read in the sampler's order
