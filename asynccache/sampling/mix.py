@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from .partition import worker_spans
 from .steps import Layout
 
@@ -554,3 +555,52 @@ class ScheduledMix:
     ) -> list[list[tuple[int, int]]]:
         """As :meth:`MixOrder.project`."""
         return _project(self, segments, slots)
+
+
+def deal(
+    counts: Sequence[int],
+    schedule: Schedule | None,
+    layout: Layout | None,
+    mode: str,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+) -> MixOrder | ScheduledMix:
+    """Epoch ``epoch`` of a mix of streams taking ``counts`` samples: by its weights
+    (:class:`MixOrder`), or, with a ``schedule``, by the weights the schedule gives each
+    step of ``layout`` (:class:`ScheduledMix`).
+
+    Raises:
+        ValueError: weights a callable schedule returned that are not weights.
+    """
+    if schedule is None:
+        return MixOrder(counts, mode=mode, batch_size=batch_size, seed=seed, epoch=epoch)
+    assert layout is not None
+    return ScheduledMix(
+        sum(counts), schedule, layout, mode=mode, batch_size=batch_size, seed=seed, epoch=epoch
+    )
+
+
+def checked_schedule(
+    spec: ScheduleSpec, shares: Sequence[Share], names: Sequence[str], sizes: Sequence[int]
+) -> Schedule:
+    """The :class:`Schedule` of ``spec`` over streams ``names`` of ``sizes`` samples, taken
+    by ``shares``.
+
+    Raises:
+        ConfigError: a stream taken by ``repeat=`` or ``choose=`` (a schedule weighs every
+            stream), an empty stream, or a schedule that is not one.
+    """
+    for i, sh in enumerate(shares):
+        if not sh.weighted:
+            raise ConfigError(
+                f"stream {i} of the mix has repeat= or choose=; with a schedule every "
+                "stream is weighted by the schedule"
+            )
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        if not size:
+            raise ConfigError(f"stream {i} ({name}) of a scheduled mix is empty")
+    try:
+        return Schedule(spec, len(names))
+    except ValueError as exc:
+        raise ConfigError(f"mix: {exc}") from exc

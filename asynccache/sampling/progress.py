@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .partition import Interval, Plan, Segment, consumed_to_remaining, received_per_worker
+from .steps import Layout
 
 __all__ = ["Progress", "WorkerPart", "drop", "worker_part"]
 
@@ -133,3 +134,34 @@ def worker_part(
     seen = received_per_worker(p.rank_samples, nw, bs, received)[logical]
     ahead = received_per_worker(p.rank_samples, nw, bs, received + head)[logical] - seen
     return WorkerPart(logical, drop(p.workers[logical], seen + ahead + skip), ahead, p.rank_samples)
+
+
+def position_state(pr: Progress, remaining: Any, received: int) -> dict[str, Any]:
+    """The fields of a resume state that say where position ``pr`` stands: its epoch, the
+    ``remaining`` intervals of it (None: the whole epoch), how the consumer was set up, and
+    the samples ``received`` (:mod:`.state` checks them on the way back)."""
+    return {
+        "epoch": pr.epoch,
+        "remaining": None if remaining is None else [list(r) for r in remaining],
+        "world": pr.world,
+        "num_workers": pr.num_workers,
+        "batch_size": pr.batch_size,
+        "received": received,
+    }
+
+
+def progress_at(layout: Layout, step: int, total: int) -> Progress:
+    """Where an uninterrupted run split by ``layout`` stands after ``step`` batches
+    (counted from epoch 0's first) of epochs of ``total`` positions.
+
+    Raises:
+        ValueError: a negative step, or an epoch too short to have a step.
+    """
+    epoch, batch = layout.locate(step, total)
+    return Progress(
+        epoch=epoch,
+        world=layout.world,
+        num_workers=layout.workers,
+        batch_size=layout.batch,
+        received=layout.received(batch, total),
+    )

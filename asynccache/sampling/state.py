@@ -462,3 +462,30 @@ def _normalised(
         "received": pr.received,
         **{k: copy.deepcopy(raw[k]) for k in extra if k in raw},
     }
+
+
+# Bounds of a scheduled mix's layout in a state (far above any job).
+_MAX_WORLD, _MAX_WORKERS, _MAX_BATCH = 1 << 16, 1 << 10, 1 << 31
+
+
+def check_mix_layout(raw: Any, name: str) -> tuple[int, int, int, bool]:
+    """A scheduled mix's ``layout`` state field, ``[world, workers, batch, drop_last]``,
+    checked: ints within bounds and a bool.
+
+    Raises:
+        ResumeStateError: anything else (names the mix ``name`` and the value).
+    """
+    if (
+        not isinstance(raw, (list, tuple))
+        or len(raw) != 4
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[:3])
+        or not isinstance(raw[3], bool)
+        or not 1 <= raw[0] <= _MAX_WORLD
+        or not 1 <= raw[1] <= _MAX_WORKERS
+        or not 1 <= raw[2] <= _MAX_BATCH
+    ):
+        raise ResumeStateError(
+            f"{name}: the state of a scheduled mix needs its layout "
+            f"[world, workers, batch, drop_last], got {raw!r}"
+        )
+    return int(raw[0]), int(raw[1]), int(raw[2]), bool(raw[3])

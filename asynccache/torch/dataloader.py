@@ -4,33 +4,24 @@ from __future__ import annotations
 
 import copy
 import os
-import secrets
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
 from ..sampling.state import check_loader_state
 from ..sampling.steps import Skips
-from ..write.writer import merge_dir, remove_partial
 from . import distributed
 from .cache import Cache
 from .epoch import EpochDataset
 from .loader_stats import LoaderStats
-from .map_order import EpochSampler, epoch_order, map_batch_count, map_batches, rank_share
+from .map_order import ByKey, EpochSampler, map_batch_count, map_batches
 from .received import EpochBatches
 from .streaming import StreamingDataset
-from .workers import lazy, led
-from .writepass import (
-    IterableWritePass,
-    MapWritePass,
-    check_claim,
-    claim_directory,
-    owned_cache,
-    wait_for_index,
-)
+from .workers import close_iterator, lazy, led_or_lazy
+from .writepass import WriteOrder, identity, owned_cache, write_pass
 
 _UNSUPPORTED = ("sampler", "batch_sampler")
 # torch DataLoader arguments the inner loaders take from this one's attributes.
@@ -44,40 +35,6 @@ _PASSED = (
     "in_order",
 )
 STATE_VERSION = 1
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def _close(it: Iterator[Any]) -> None:
-    close = getattr(it, "close", None)
-    if callable(close):
-        close()
-
-
-def _led(ds: EpochDataset, loader: DataLoader[Any]) -> Iterator[Any]:
-    """At the first batch asked for: the epoch's first batches built here while its
-    workers start (:func:`.workers.led`), or, when the dataset builds none here, the
-    workers' batches as usual."""
-    first = ds.first_batches()
-    if first is None:
-        yield from lazy(loader)
-    else:
-        yield from led(first, loader)
-
-
-class _ByKey(Dataset[Any]):
-    """A written dataset read by key: ``ds[k]`` is the item written under key ``k``."""
-
-    def __init__(self, stream: EpochDataset) -> None:
-        self.stream = stream
-
-    def __len__(self) -> int:
-        return self.stream.num_items
-
-    def __getitem__(self, key: int) -> Any:
-        return self.stream[key]
 
 
 class CacheDataLoader(DataLoader[Any]):
@@ -423,7 +380,7 @@ class CacheDataLoader(DataLoader[Any]):
         if loader is None:
             if self.batch_fallback is None:
                 loader = self._loader(
-                    ds, persistent=self.persistent_workers, batch_size=None, collate_fn=_identity
+                    ds, persistent=self.persistent_workers, batch_size=None, collate_fn=identity
                 )
             else:
                 loader = self._loader(
@@ -436,7 +393,7 @@ class CacheDataLoader(DataLoader[Any]):
             if self.persistent_workers:
                 self._stream_loader = loader
             if self._leads(ds):
-                return self._skipping(ds, epoch, loader, _led(ds, loader))
+                return self._skipping(ds, epoch, loader, led_or_lazy(ds.first_batches, loader))
         return self._skipping(ds, epoch, loader, lazy(loader))
 
     def _configure(self, ds: EpochDataset) -> None:
@@ -475,7 +432,7 @@ class CacheDataLoader(DataLoader[Any]):
         try:
             while True:
                 if steps and self._skips.landing(at) != at:
-                    _close(batches)  # (its workers end here: the next part starts anew)
+                    close_iterator(batches)  # (its workers end here: the next part starts anew)
                     if not self._land(ds, epoch, at):
                         return
                     at = epoch * steps + ds.batch_now()
@@ -488,7 +445,7 @@ class CacheDataLoader(DataLoader[Any]):
                 at += 1
                 yield batch
         finally:
-            _close(batches)
+            close_iterator(batches)
 
     def _leads(self, ds: EpochDataset) -> bool:
         """This epoch's first batches are built here while the new workers start (whole
@@ -520,7 +477,7 @@ class CacheDataLoader(DataLoader[Any]):
         read back from the filled cache (the dataset is not touched)."""
         ds = self._streaming()
         rest = self._map_batches(epoch, ds.num_items)[skip:]
-        return lazy(self._loader(_ByKey(ds), batch_sampler=rest, collate_fn=self.collate_fn))
+        return lazy(self._loader(ByKey(ds), batch_sampler=rest, collate_fn=self.collate_fn))
 
     def _write_then_stream(self, it: EpochBatches, epoch: int, skip: int) -> Iterator[Any]:
         for _ in self._write_epoch(epoch, skip):  # every batch is skipped: nothing comes
@@ -555,70 +512,15 @@ class CacheDataLoader(DataLoader[Any]):
 
     def _write_epoch(self, epoch: int, skip: int) -> Iterator[Any]:
         assert self.cache is not None
-        world = distributed.current()
-        token = None
-        lock = None
-        if world.rank == 0:
-            # The job's write lock, held by this process until index.json is published:
-            # another job gets WriteConflictError, and nobody deletes its files.
-            lock, token = claim_directory(self.cache.input_dir, secrets.token_hex(8))
-            if lock is not None:
-                remove_partial(self.cache.input_dir, token)
-        token = check_claim(str(distributed.broadcast(token)))
-        try:
-            nw = max(1, self.num_workers)
-            iterable = isinstance(self.dataset, IterableDataset)
-            source: IterableDataset[Any]
-            if iterable:
-                source = IterableWritePass(self.dataset, self.cache, world.rank, nw, token)
-                loader = self._loader(
-                    source,
-                    batch_size=self._bs,
-                    drop_last=self.drop_last,
-                    collate_fn=self.collate_fn,
-                )
-            else:
-                n = len(self.dataset)  # type: ignore[arg-type]
-                share = rank_share(
-                    epoch_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch),
-                    world.rank,
-                    world.world_size,
-                )
-                bs = self._bs
-                batches = [share[i : i + bs] for i in range(0, len(share), bs)]
-                leftover: list[tuple[int, bool]] = []
-                if self.drop_last and batches and len(batches[-1]) < bs:
-                    leftover = batches.pop()
-                source = MapWritePass(
-                    self.dataset,
-                    self.cache,
-                    self._owned,
-                    batches,
-                    leftover,
-                    world.rank,
-                    nw,
-                    token,
-                    self.collate_fn,
-                )
-                loader = self._loader(source, batch_size=None, collate_fn=_identity)
-            for i, batch in enumerate(lazy(loader)):
-                if i >= skip:  # the first `skip` were received before the restart
-                    yield batch
-            writers = range(world.world_size * nw)
-            # Both waits are bounded by the writers' progress, not by a fixed time.
-            if world.rank == 0:
-                merge_dir(
-                    self.cache.input_dir,
-                    writers,
-                    token=token,
-                    config={"token": token},
-                    renumber=iterable,
-                )
-            else:
-                wait_for_index(self.cache.input_dir, token)
-        finally:  # also when the consumer abandons the epoch
-            if lock is not None:
-                lock.release()
+        yield from write_pass(
+            self.dataset,
+            self.cache,
+            WriteOrder(epoch, skip, self.shuffle, self.seed, self._bs, self.drop_last),
+            owned=self._owned,
+            num_workers=max(1, self.num_workers),
+            collate_fn=self.collate_fn,
+            make_loader=self._loader,
+        )
         self._writing = False
 
     # -- resume --------------------------------------------------------------------

@@ -40,28 +40,17 @@ from ..errors import ConfigError, ResumeStateError
 from ..read.batchread import Form
 from ..sampling import Plan, Segment, plan
 from ..sampling.nodes import NodeLayout
-from ..sampling.progress import Progress, worker_part
+from ..sampling.progress import Progress, position_state, progress_at, worker_part
 from ..sampling.state import DatasetPosition, check_dataset_state
 from ..sampling.steps import Layout
 from . import batches, distributed
-from .lead import FirstBatches, lead_runs
+from .lead import FirstBatches, LeadStats, lead_runs
 from .shared_epoch import SharedEpoch
 
 __all__ = ["STATE_VERSION", "EpochDataset", "LeadStats"]
 
 STATE_VERSION = 1
 BLOCK = 512  # positions materialised at a time; bounds memory per worker
-
-
-class LeadStats:
-    """How many epochs had their first batches built in the main process, and how many
-    batches were built there (all epochs)."""
-
-    def __init__(self, epochs: int, batches: int) -> None:
-        self.epochs, self.batches = epochs, batches
-
-    def __repr__(self) -> str:
-        return f"LeadStats(epochs={self.epochs}, batches={self.batches})"
 
 
 class EpochDataset(IterableDataset[Any]):
@@ -589,15 +578,11 @@ class EpochDataset(IterableDataset[Any]):
     def _state(self, pr: Progress, received: int = 0, fresh: bool = False) -> dict[str, Any]:
         """The state of position ``pr`` after ``received`` more positions (``fresh``: a
         position of an uninterrupted run with this configuration, not this dataset's)."""
+        base = pr.base(self.epoch_total)
         return {
             "version": STATE_VERSION,
             **self.identity(),
-            "epoch": pr.epoch,
-            "remaining": [list(r) for r in pr.base(self.epoch_total)],
-            "world": pr.world,
-            "num_workers": pr.num_workers,
-            "batch_size": pr.batch_size,
-            "received": pr.received + received,
+            **position_state(pr, base, pr.received + received),
             **self._state_extra(pr, fresh),
         }
 
@@ -639,16 +624,9 @@ class EpochDataset(IterableDataset[Any]):
             raise ConfigError(f"step must be an integer, got {step!r}")
         layout = self.step_layout(batch_size, num_workers)
         try:
-            epoch, batch = layout.locate(int(step), self.epoch_total)
+            pr = progress_at(layout, int(step), self.epoch_total)
         except ValueError as exc:
             raise ConfigError(f"{self._name}: {exc}") from exc
-        pr = Progress(
-            epoch=epoch,
-            world=layout.world,
-            num_workers=layout.workers,
-            batch_size=layout.batch,
-            received=layout.received(batch, self.epoch_total),
-        )
         return self._state(pr, fresh=True)
 
     def _worker_state(self) -> dict[str, Any]:
@@ -660,12 +638,7 @@ class EpochDataset(IterableDataset[Any]):
         return {
             "version": STATE_VERSION,
             **self.identity(),
-            "epoch": pr.epoch,
-            "remaining": None if pr.remaining is None else [list(r) for r in pr.remaining],
-            "world": pr.world,
-            "num_workers": pr.num_workers,
-            "batch_size": pr.batch_size,
-            "received": pr.received,
+            **position_state(pr, pr.remaining, pr.received),
             "worker": info.id,
             "workers": info.num_workers,
             "yielded": self._skip + self._yielded,

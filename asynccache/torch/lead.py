@@ -30,7 +30,14 @@ from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
 from ..sampling.progress import drop
 
-__all__ = ["LEAD_BATCHES", "FirstBatches", "HeadStart", "lead_runs", "workers_first_chunks"]
+__all__ = [
+    "LEAD_BATCHES",
+    "FirstBatches",
+    "HeadStart",
+    "LeadStats",
+    "lead_runs",
+    "workers_first_chunks",
+]
 
 # The most batches built in the main process at an epoch's start (one per worker, each
 # worker's first): the second batch is ready while the workers start; more would delay
@@ -38,6 +45,19 @@ __all__ = ["LEAD_BATCHES", "FirstBatches", "HeadStart", "lead_runs", "workers_fi
 # items are read by range from a shuffled order: a second batch's item GETs would share
 # the connections with the first's and make it several times later.
 LEAD_BATCHES = 2
+
+
+class LeadStats:
+    """How many epochs had their first batches built in the main process, and how many
+    batches were built there (all epochs)."""
+
+    def __init__(self, epochs: int, batches: int) -> None:
+        self.epochs, self.batches = epochs, batches
+
+    def __repr__(self) -> str:
+        return f"LeadStats(epochs={self.epochs}, batches={self.batches})"
+
+
 # The main process starts the workers' first chunks only on a link where downloading them
 # takes at least this long (see HeadStart.go): on loopback a worker's wait for the main
 # process's publish cost more than it saved.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
@@ -84,3 +85,17 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class ByKey(Dataset[Any]):
+    """A written dataset read by key: ``ds[k]`` is the item ``stream`` wrote under key
+    ``k`` (the rest of a writing epoch, read back in its order from the filled cache)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __len__(self) -> int:
+        return int(self.stream.num_items)
+
+    def __getitem__(self, key: int) -> Any:
+        return self.stream[key]

@@ -16,7 +16,6 @@ the cache directory's budget and the process's I/O thread.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ import numpy as np
 from torch.utils.data import default_collate, get_worker_info
 
 from ..errors import ConfigError, ResumeStateError
-from ..read.batchread import Form, Leaf, assemble_into
+from ..read.batchread import Form, assemble_into
 from ..read.readplan import View
 from ..read.token_blocks import copy_blocks
 from ..sampling import Segment
@@ -37,14 +36,18 @@ from ..sampling.mix import (
     ScheduledMix,
     ScheduleSpec,
     Share,
+    checked_schedule,
+    deal,
     stream_counts,
 )
 from ..sampling.order import ReadOrder
 from ..sampling.partition import received_per_worker
 from ..sampling.progress import Progress, drop
+from ..sampling.state import check_mix_layout
 from ..sampling.steps import Layout
 from . import batches, distributed
 from .epoch import EpochDataset
+from .mix_forms import plan_batch, stream_items, tagged, token_form
 from .shared_epoch import STAT_FIELDS
 from .streaming import StreamingDataset, reader_place
 
@@ -52,8 +55,6 @@ __all__ = ["MixedDataset", "Stream"]
 
 log = logging.getLogger(__name__)
 _WINDOW = 4096  # samples of the mix located at a time (see MixedDataset._locate)
-# Bounds of a state's layout (far above any job).
-_MAX_WORLD, _MAX_WORKERS, _MAX_BATCH = 1 << 16, 1 << 10, 1 << 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,19 +234,9 @@ class MixedDataset(EpochDataset):
         )
 
     def _check_schedule(self, schedule: ScheduleSpec) -> Schedule:
-        for i, sh in enumerate(self.shares):
-            if not sh.weighted:
-                raise ConfigError(
-                    f"stream {i} of the mix has repeat= or choose=; with a schedule every "
-                    "stream is weighted by the schedule"
-                )
-        for i, st in enumerate(self.streams):
-            if not st.num_items:
-                raise ConfigError(f"stream {i} ({st.source.url}) of a scheduled mix is empty")
-        try:
-            return Schedule(schedule, len(self.streams))
-        except ValueError as exc:
-            raise ConfigError(f"mix: {exc}") from exc
+        names = [st.source.url for st in self.streams]
+        sizes = [st.num_items for st in self.streams]
+        return checked_schedule(schedule, self.shares, names, sizes)
 
     # -- the mix -----------------------------------------------------------------------
     def _layout_of(self, epoch: int) -> Layout:
@@ -263,28 +254,12 @@ class MixedDataset(EpochDataset):
         cache: dict[Any, Any] = self.__dict__.setdefault("_mix_cache", {})
         mix: MixOrder | ScheduledMix | None = cache.get((epoch, layout))
         if mix is None:
-            if self.schedule is None:
-                mix = MixOrder(
-                    self.counts,
-                    mode=self.mode,
-                    batch_size=self.mix_batch,
-                    seed=self.seed,
-                    epoch=epoch,
+            try:
+                mix = deal(
+                    self.counts, self.schedule, layout, self.mode, self.mix_batch, self.seed, epoch
                 )
-            else:
-                assert layout is not None
-                try:
-                    mix = ScheduledMix(
-                        sum(self.counts),
-                        self.schedule,
-                        layout,
-                        mode=self.mode,
-                        batch_size=self.mix_batch,
-                        seed=self.seed,
-                        epoch=epoch,
-                    )
-                except ValueError as exc:  # weights a callable schedule returned
-                    raise ConfigError(f"{self._name}: {exc}") from exc
+            except ValueError as exc:  # weights a callable schedule returned
+                raise ConfigError(f"{self._name}: {exc}") from exc
             if len(cache) >= 3:
                 cache.pop(next(iter(cache)))
             cache[(epoch, layout)] = mix
@@ -450,7 +425,7 @@ class MixedDataset(EpochDataset):
         if not len(slots):
             return
         streams, keys = self._locate(slots)[:2]
-        per = [_stream_items(st, keys[streams == s]) for s, st in enumerate(self.streams)]
+        per = [stream_items(st, keys[streams == s]) for s, st in enumerate(self.streams)]
         for s in streams.tolist():
             item = next(per[s])
             yield (s, item) if self.tag else item
@@ -489,7 +464,7 @@ class MixedDataset(EpochDataset):
         n = len(streams)
         form, shift = inner, 0
         if self.tag:
-            form = _tagged(inner)
+            form = tagged(inner)
             shift = form.regions(n)[0][1]
         buf, slot = self._buffer(form, n, pool)
         out = buf.numpy()
@@ -502,10 +477,7 @@ class MixedDataset(EpochDataset):
         size and dtype (None: otherwise)."""
         got = self.__dict__.get("_blocks_form_cache")
         if got is None:
-            token = [st.unit_reader.blocks for st in self.streams]
-            forms = {None if t is None else (t.dtype.str, t.block_size) for t in token}
-            one = forms.pop() if len(forms) == 1 else None
-            got = self.__dict__["_blocks_form_cache"] = (_block_form(*one) if one else None,)
+            got = self.__dict__["_blocks_form_cache"] = (token_form(self.streams),)
         return got[0]
 
     def _token_batch(
@@ -540,45 +512,12 @@ class MixedDataset(EpochDataset):
         return self._send(form, n, buf, slot, pool, row)
 
     def _plan_batch(self, streams: np.ndarray, unit_keys: np.ndarray) -> Any:
-        """The form the batch's samples share, the item streams' parts for
-        :func:`assemble_into` and the token streams' blocks; None: collate the items."""
-        form: Form | None = None
-        parts: list[tuple[Any, np.ndarray, np.ndarray]] = []
-        blocks: list[tuple[Any, Any, np.ndarray, np.ndarray]] = []
-        for s, st in enumerate(self.streams):
-            rows = np.flatnonzero(streams == s)
-            if not len(rows):
-                continue
-            k = unit_keys[rows]
-            ur = st.unit_reader
-            tb = ur.blocks
-            if tb is not None:
-                f = _block_form(tb.dtype.str, tb.block_size)
-                if form is not None and f != form:
-                    return None
-                form = f
-                blocks.append((tb, st.reader, k, rows))
-                continue
-            chunks, positions, by_range = ur.located(k)
-            if by_range:
-                return None  # items read by range
-            for c in dict.fromkeys(chunks.tolist()):
-                sel = np.flatnonzero(chunks == c)
-                cf = ur.chunk_forms(c)
-                pos = positions[sel]
-                got = cf.form_of(pos)
-                if got is None or (form is not None and got != form):
-                    return None
-                form = got
-                parts.append((cf, pos, rows[sel]))
-        if form is None or not batches.supported(form):
-            return None
-        return form, parts, blocks
+        return plan_batch(self.streams, streams, unit_keys)
 
     def _mix_collated(self, streams: np.ndarray, unit_keys: np.ndarray, row: int) -> Any:
         """The per-item path: what a DataLoader worker collating these samples returns."""
         batches.count(self.batch_marks, row, "collated")
-        per = [_stream_items(st, unit_keys[streams == s]) for s, st in enumerate(self.streams)]
+        per = [stream_items(st, unit_keys[streams == s]) for s, st in enumerate(self.streams)]
         items = []
         for s in streams.tolist():
             item = next(per[s])
@@ -762,21 +701,8 @@ class MixedDataset(EpochDataset):
         if self.schedule is None:
             self._pinned = None
             return
-        raw = state.get("layout")
-        if (
-            not isinstance(raw, (list, tuple))
-            or len(raw) != 4
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw[:3])
-            or not isinstance(raw[3], bool)
-            or not 1 <= raw[0] <= _MAX_WORLD
-            or not 1 <= raw[1] <= _MAX_WORKERS
-            or not 1 <= raw[2] <= _MAX_BATCH
-        ):
-            raise ResumeStateError(
-                f"{self._name}: the state of a scheduled mix needs its layout "
-                f"[world, workers, batch, drop_last], got {raw!r}"
-            )
-        layout = Layout(int(raw[0]), int(raw[2]), self.drop_last, raw[3], int(raw[1]))
+        raw = check_mix_layout(state.get("layout"), self._name)
+        layout = Layout(raw[0], raw[2], self.drop_last, raw[3], raw[1])
         if self.schedule.fn is not None:
             got = self._digest(pr.epoch, layout)
             if state.get("schedule_digest") != got:
@@ -871,33 +797,3 @@ class MixedDataset(EpochDataset):
             f"MixedDataset({len(self.streams)} streams, mode={self.mode!r}, "
             f"counts={self.stream_counts}, epoch={self.epoch})"
         )
-
-
-@functools.lru_cache(maxsize=64)
-def _block_form(dtype: str, block_size: int) -> Form:
-    """The form of a token block: one array leaf of ``block_size`` tokens."""
-    return Form(("leaf", 0), (Leaf("a", dtype, (block_size,)),))
-
-
-@functools.lru_cache(maxsize=64)
-def _tagged(form: Form) -> Form:
-    """The form of ``(stream, sample)`` pairs whose samples have ``form``."""
-    return Form(
-        ("list", (("leaf", 0), _shifted(form.tree, 1))),
-        (Leaf("i", np.dtype(np.int64).str, ()), *form.leaves),
-    )
-
-
-def _shifted(tree: tuple[Any, ...], by: int) -> tuple[Any, ...]:
-    """A form tree with its leaf numbers moved up by ``by``."""
-    if tree[0] == "leaf":
-        return ("leaf", tree[1] + by)
-    if tree[0] == "dict":
-        return ("dict", tree[1], tuple(_shifted(c, by) for c in tree[2]))
-    return ("list", tuple(_shifted(c, by) for c in tree[1]))
-
-
-def _stream_items(st: StreamingDataset, keys: np.ndarray) -> Iterator[Any]:
-    """The samples of ``keys`` of stream ``st``, transformed as the stream says."""
-    for item in st.unit_reader.read_units(keys)[1]:
-        yield st.transform(item) if st.transform else item

@@ -7,6 +7,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from .workers import close_iterator
+
 __all__ = ["EpochBatches", "EpochIterator"]
 
 
@@ -63,7 +65,8 @@ class EpochBatches:
         if it is not None and not running:  # else the thread inside closes it on its way out
             it.close_inner()
 
-    def _next(self, inner: Iterator[Any]) -> Any:
+    def next_of(self, inner: Iterator[Any]) -> Any:
+        """The next batch of ``inner``, counted (StopIteration once closed)."""
         with self._lock:
             if self._closed:
                 raise StopIteration
@@ -81,7 +84,7 @@ class EpochBatches:
             if not closed:
                 self.received += 1
         if closed:
-            _close(inner)
+            close_iterator(inner)
             raise StopIteration
         return batch
 
@@ -99,17 +102,11 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        return self.count._next(self._inner)
+        return self.count.next_of(self._inner)
 
     def close(self) -> None:
         """Stop the epoch (see :meth:`EpochBatches.close`)."""
         self.count.close()
 
     def close_inner(self) -> None:
-        _close(self._inner)
-
-
-def _close(it: Iterator[Any]) -> None:
-    close = getattr(it, "close", None)
-    if callable(close):
-        close()
+        close_iterator(self._inner)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -57,6 +57,27 @@ def _ended(loader: Any, it: Iterator[Any]) -> Iterator[None]:
         if not getattr(loader, "persistent_workers", False):
             shut_down(it)
         raise
+
+
+def close_iterator(it: Iterator[Any]) -> None:
+    """Close ``it`` where it can be closed (a generator: its ``finally`` runs now)."""
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
+
+
+def led_or_lazy(
+    first_batches: Callable[[], FirstBatches | None], loader: DataLoader[Any]
+) -> Iterator[Any]:
+    """At the first batch asked for (not before: a loader iterated but never read builds
+    nothing): ``first_batches()``'s batches built here while the workers start
+    (:func:`led`), or, where the dataset builds none here (None), the workers' batches
+    as usual (:func:`lazy`)."""
+    first = first_batches()
+    if first is None:
+        yield from lazy(loader)
+    else:
+        yield from led(first, loader)
 
 
 def lazy(loader: Iterable[Any]) -> Iterator[Any]:

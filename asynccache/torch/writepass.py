@@ -3,20 +3,117 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import IterableDataset
 
 from ..errors import CacheError, WriteConflictError
 from ..format import INDEX_NAME
 from ..write.writelock import WriteLock, is_held, read_holder
-from ..write.writer import MERGE_STALL_S, ProgressWait, read_index
+from ..write.writer import MERGE_STALL_S, ProgressWait, merge_dir, read_index, remove_partial
 from . import distributed
 from .cache import Cache
+from .map_order import epoch_order, rank_share
+from .workers import lazy
 
 _FAILED = "!"  # a broadcast token starting with this carries rank 0's error instead
+
+
+def identity(batch: Any) -> Any:
+    """The collate function of loaders whose dataset yields whole batches."""
+    return batch
+
+
+class WriteOrder(NamedTuple):
+    """Which batches a write pass hands out: those of ``epoch`` in the loader's order,
+    after the first ``skip`` (received before a restart)."""
+
+    epoch: int
+    skip: int
+    shuffle: bool
+    seed: int
+    batch_size: int
+    drop_last: bool
+
+
+def write_pass(
+    dataset: Any,
+    cache: Cache,
+    order: WriteOrder,
+    *,
+    owned: bool,
+    num_workers: int,
+    collate_fn: Callable[..., Any],
+    make_loader: Callable[..., Any],
+) -> Iterator[Any]:
+    """This rank's part of the first epoch of ``dataset``: its batches, each written to
+    ``cache`` by the worker that made it (``make_loader(source, **kw)``: a DataLoader with
+    the consumer's settings), then the pieces merged into ``index.json`` (rank 0) or
+    waited for (the others).
+
+    Invariants: rank 0 holds the directory's write lock from before the first write until
+    ``index.json`` is published, so another job gets ``WriteConflictError`` and no file of
+    this pass is deleted by anyone; every rank raises rank 0's failure to claim it rather
+    than wait for a pass that never starts; both waits are bounded by the writers'
+    progress, not by a fixed time; the lock is released also when the consumer abandons
+    the epoch.
+    """
+    world = distributed.current()
+    token = None
+    lock = None
+    if world.rank == 0:
+        lock, token = claim_directory(cache.input_dir, secrets.token_hex(8))
+        if lock is not None:
+            remove_partial(cache.input_dir, token)
+    token = check_claim(str(distributed.broadcast(token)))
+    try:
+        iterable = isinstance(dataset, IterableDataset)
+        source: IterableDataset[Any]
+        if iterable:
+            source = IterableWritePass(dataset, cache, world.rank, num_workers, token)
+            loader = make_loader(
+                source,
+                batch_size=order.batch_size,
+                drop_last=order.drop_last,
+                collate_fn=collate_fn,
+            )
+        else:
+            n = len(dataset)
+            keys = epoch_order(n, shuffle=order.shuffle, seed=order.seed, epoch=order.epoch)
+            share = rank_share(keys, world.rank, world.world_size)
+            bs = order.batch_size
+            batches = [share[i : i + bs] for i in range(0, len(share), bs)]
+            leftover: list[tuple[int, bool]] = []
+            if order.drop_last and batches and len(batches[-1]) < bs:
+                leftover = batches.pop()
+            source = MapWritePass(
+                dataset,
+                cache,
+                owned,
+                batches,
+                leftover,
+                world.rank,
+                num_workers,
+                token,
+                collate_fn,
+            )
+            loader = make_loader(source, batch_size=None, collate_fn=identity)
+        for i, batch in enumerate(lazy(loader)):
+            if i >= order.skip:
+                yield batch
+        writers = range(world.world_size * num_workers)
+        if world.rank == 0:
+            merge_dir(
+                cache.input_dir, writers, token=token, config={"token": token}, renumber=iterable
+            )
+        else:
+            wait_for_index(cache.input_dir, token)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def claim_directory(directory: str, token: str) -> tuple[WriteLock | None, str]:
