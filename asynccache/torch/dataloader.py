@@ -16,6 +16,8 @@ from ..sampling.steps import Skips
 from . import distributed
 from .cache import Cache
 from .epoch import EpochDataset
+from .loader_state import STATE_VERSION as STATE_VERSION  # (importable here as before)
+from .loader_state import base_state, check_map_settings, loaded_skips, map_resume, stream_received
 from .loader_stats import LoaderStats
 from .map_order import ByKey, EpochSampler, map_batch_count, map_batches
 from .received import EpochBatches
@@ -34,7 +36,6 @@ _PASSED = (
     "pin_memory_device",
     "in_order",
 )
-STATE_VERSION = 1
 
 
 class CacheDataLoader(DataLoader[Any]):
@@ -557,18 +558,15 @@ class CacheDataLoader(DataLoader[Any]):
         return self._stream_state(epoch, received, self._part_base)
 
     def _base_state(self, epoch: int, batches: int, writing: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "batches": batches,
-            "world": self._world_size(),
-            "num_workers": max(1, self.num_workers),
-            "batch_size": self._bs,
-            "writing": writing,
-        }
-        if self._skips:  # (absent when none: a state without skips keeps its keys)
-            state["skips"] = self._skips.to_json()
-        return state
+        return base_state(
+            epoch,
+            batches,
+            writing,
+            world=self._world_size(),
+            num_workers=max(1, self.num_workers),
+            batch_size=self._bs,
+            skips=self._skips,
+        )
 
     def _world_size(self) -> int:
         """The ranks batches are counted over: a streamed dataset's data-parallel size."""
@@ -680,10 +678,7 @@ class CacheDataLoader(DataLoader[Any]):
         nw = max(1, self.num_workers)
         self._configure(ds)
         left = len(ds)  # what this rank had still to receive when the epoch (part) began
-        received = min((batches - base) * self._bs, left)
-        if self.drop_last and left - received < self._bs:
-            # The short last batch is dropped, never received: the epoch is over.
-            received = left
+        received = stream_received(left, batches - base, self._bs, self.drop_last)
         state = self._base_state(epoch, batches, False)
         state["stream"] = ds.state_dict(received=received, num_workers=nw, batch_size=self._bs)
         return state
@@ -709,7 +704,7 @@ class CacheDataLoader(DataLoader[Any]):
             extra=() if ds is None else ds.STATE_EXTRA,
         )
         state = pos.state
-        skips = self._loaded_skips(state)
+        skips = loaded_skips(self._skips, state, world=self._world_size(), batch_size=self._bs)
         if pos.writing:
             resume = self._load_map_state(state)
         else:
@@ -724,77 +719,17 @@ class CacheDataLoader(DataLoader[Any]):
         self._skips = skips
         self._resume, self._loaded = resume, copy.deepcopy(state)
 
-    def _loaded_skips(self, state: dict[str, Any]) -> Skips:
-        """This loader's skipped ranges and those of ``state`` (checked: they count
-        batches of the state's world size and batch size, which must be this loader's)."""
-        raw = state.get("skips")
-        if raw is None:
-            return self._skips
-        try:
-            theirs = Skips.from_json(raw)
-        except ValueError as exc:
-            raise ResumeStateError(f"the state's skips: {exc}") from exc
-        got = (state.get("world"), state.get("batch_size"))
-        want = (self._world_size(), self._bs)
-        if theirs and got != want:
-            raise ResumeStateError(
-                f"the state skips steps {theirs.to_json()} counted in batches of (world "
-                f"size, batch size) {got}; this loader has {want}, whose steps are other "
-                "batches: resume with the same data-parallel size and batch size"
-            )
-        return self._skips.union(theirs)
-
     def _load_map_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Check a writing-epoch state against this loader; where the next iter() goes.
-
-        Before the cache is merged the writing epoch is re-run, skipping what was
-        received: same world size, workers and batch size. After the merge its rest is
-        read from the cache in the same order: same world size and batch size.
-        """
-        world = distributed.current()
-        for key, mine in (
-            ("seed", self.seed),
-            ("shuffle", self.shuffle),
-            ("drop_last", self.drop_last),
-        ):
-            if key in state and state[key] != mine:
-                raise ResumeStateError(
-                    f"the state was saved with {key}={state[key]!r}, this loader has "
-                    f"{key}={mine!r}; it can't continue that epoch"
-                )
-        got: tuple[int, ...]
-        want: tuple[int, ...]
-        if self._must_write():
-            got = (state["world"], state["num_workers"], state["batch_size"])
-            want = (world.world_size, max(1, self.num_workers), self._bs)
-            what = "(world size, workers, batch size)"
-        else:
-            if state.get("source") == "iterable" or self._iterable_source():
-                raise ResumeStateError(
-                    "the state is from the writing epoch of an IterableDataset; its order "
-                    "is not kept once the cache is merged, so it can't be continued"
-                )
-            got = (state["world"], state["batch_size"])
-            want = (world.world_size, self._bs)
-            what = "(world size, batch size)"
-        if got != want:
-            raise ResumeStateError(
-                f"the writing epoch resumes only with the same {what}: state has {got}, "
-                f"this loader {want}"
-            )
-        n = self._map_items()
-        if n is not None and state.get("items", n) != n:
-            raise ResumeStateError(
-                f"the state is from a dataset of {state['items']} items, this one has {n}"
-            )
-        epoch, batches = int(state["epoch"]), int(state["batches"])
-        complete = n is not None and batches >= map_batch_count(
-            n, world.world_size, self._bs, self.drop_last
+        """Check a writing-epoch state against this loader; where the next iter() goes
+        (see :func:`~asynccache.torch.loader_state.map_resume`)."""
+        check_map_settings(state, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last)
+        return map_resume(
+            state,
+            drop_last=self.drop_last,
+            writes=self._must_write(),
+            iterable=self._iterable_source(),
+            world=distributed.current().world_size,
+            num_workers=max(1, self.num_workers),
+            batch_size=self._bs,
+            items=self._map_items,
         )
-        return {
-            "writing": True,
-            "epoch": epoch,
-            "batches": batches,
-            "items": n,
-            "complete": complete,
-        }
