@@ -6,7 +6,8 @@ token streams of one block size and dtype (each row one slice copy), or item str
 whose chunks' learned forms (:class:`~asynccache.read.batchread.ChunkForms`) agree, read
 from mapped chunks (not by range). Otherwise the batch is collated from the items, as a
 DataLoader worker would. With ``tag`` the samples are ``(stream, sample)`` pairs: their
-form is :func:`tagged`, an int64 leaf ahead of the sample's leaves.
+form is :func:`tagged`, an int64 leaf ahead of the sample's leaves. On every path row ``i``
+is the sample of slot ``i``, and each stream's samples of a batch are read in one pass.
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from ..read.batchread import Form, Leaf
+from ..read.batchread import Form, Leaf, assemble_into
+from ..read.token_blocks import copy_blocks
 from . import batches
 from .streaming import StreamingDataset
 
-__all__ = ["plan_batch", "stream_items", "tagged", "token_form"]
+__all__ = [
+    "copy_token_rows",
+    "fill_rows",
+    "mixed_items",
+    "plan_batch",
+    "stream_items",
+    "tagged",
+    "token_form",
+]
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,3 +112,54 @@ def stream_items(st: StreamingDataset, keys: np.ndarray) -> Iterator[Any]:
     """The samples of ``keys`` of stream ``st``, transformed as the stream says."""
     for item in st.unit_reader.read_units(keys)[1]:
         yield st.transform(item) if st.transform else item
+
+
+def fill_rows(body: np.ndarray, inner: Form, parts: list[Any], blocks: list[Any], n: int) -> None:
+    """Fill the ``n`` rows of form ``inner`` in ``body`` from the parts and blocks of
+    :func:`plan_batch`."""
+    if parts:
+        assemble_into(body, inner, parts, n)
+    for tb, reader, k, rows in blocks:
+        dest = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+        tb.assemble_into(reader, k, dest.reshape(n, tb.block_size), at=rows)
+
+
+def copy_token_rows(
+    streams: Sequence[StreamingDataset],
+    body: np.ndarray,
+    of: np.ndarray,
+    unit_keys: np.ndarray,
+    chunks: np.ndarray,
+    offsets: np.ndarray,
+) -> None:
+    """Fill ``body`` with token blocks, when every stream is a token stream of one form
+    (:func:`token_form`): row ``i`` is block ``unit_keys[i]`` of stream ``of[i]``, at
+    ``offsets[i]`` of chunk ``chunks[i]``, each one slice copy, in one pass over the rows
+    (:func:`~asynccache.read.token_blocks.copy_blocks`)."""
+    n = len(of)
+    tb = streams[0].unit_reader.blocks
+    assert tb is not None
+    rows = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
+    for st in streams:  # every stream's prefetch starts now, not at its first wait
+        st.source.send_hint()
+    sources = [(st.unit_reader.blocks, st.reader) for st in streams]
+    copy_blocks(
+        rows.reshape(n, tb.block_size),
+        sources,  # type: ignore[arg-type]
+        range(n),
+        of.tolist(),
+        chunks.tolist(),
+        offsets.tolist(),
+        unit_keys.tolist(),
+    )
+
+
+def mixed_items(
+    streams: Sequence[StreamingDataset], of: np.ndarray, unit_keys: np.ndarray, tag: bool
+) -> Iterator[Any]:
+    """The samples ``unit_keys`` of streams ``of`` in their order (each stream's read in
+    one pass); with ``tag``, ``(stream, sample)`` pairs."""
+    per = [stream_items(st, unit_keys[of == s]) for s, st in enumerate(streams)]
+    for s in of.tolist():
+        item = next(per[s])
+        yield (s, item) if tag else item

@@ -25,9 +25,8 @@ import numpy as np
 from torch.utils.data import default_collate, get_worker_info
 
 from ..errors import ConfigError, ResumeStateError
-from ..read.batchread import Form, assemble_into
+from ..read.batchread import Form
 from ..read.readplan import View
-from ..read.token_blocks import copy_blocks
 from ..sampling import Segment
 from ..sampling.mix import (
     MODES,
@@ -47,7 +46,14 @@ from ..sampling.state import check_mix_layout
 from ..sampling.steps import Layout
 from . import batches, distributed
 from .epoch import EpochDataset
-from .mix_forms import plan_batch, stream_items, tagged, token_form
+from .mix_forms import (
+    copy_token_rows,
+    fill_rows,
+    mixed_items,
+    plan_batch,
+    tagged,
+    token_form,
+)
 from .shared_epoch import STAT_FIELDS
 from .streaming import StreamingDataset, reader_place
 
@@ -425,10 +431,7 @@ class MixedDataset(EpochDataset):
         if not len(slots):
             return
         streams, keys = self._locate(slots)[:2]
-        per = [stream_items(st, keys[streams == s]) for s, st in enumerate(self.streams)]
-        for s in streams.tolist():
-            item = next(per[s])
-            yield (s, item) if self.tag else item
+        yield from mixed_items(self.streams, streams, keys, self.tag)
 
     # -- whole batches (docs/streaming.md, "Mixing") -----------------------------------
     def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
@@ -448,11 +451,7 @@ class MixedDataset(EpochDataset):
             return self._mix_collated(streams, unit_keys, row)
         inner, parts, blocks = got
         form, buf, slot, body = self._tagged_buffer(inner, streams, pool)
-        if parts:
-            assemble_into(body, inner, parts, n)
-        for tb, reader, k, rows in blocks:
-            dest = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
-            tb.assemble_into(reader, k, dest.reshape(n, tb.block_size), at=rows)
+        fill_rows(body, inner, parts, blocks, n)
         return self._send(form, n, buf, slot, pool, row)
 
     def _tagged_buffer(
@@ -490,26 +489,11 @@ class MixedDataset(EpochDataset):
         pool: batches.Pool,
         row: int,
     ) -> Any:
-        """A batch of token blocks: each row one slice copy from its stream's mapped chunk,
-        in one pass over the rows (:func:`copy_blocks`)."""
-        n = len(streams)
+        """A batch of token blocks: each row one slice copy from its stream's mapped chunk
+        (:func:`~.mix_forms.copy_token_rows`)."""
         form, buf, slot, body = self._tagged_buffer(inner, streams, pool)
-        tb = self.streams[0].unit_reader.blocks
-        assert tb is not None
-        rows = body[: tb.dtype.itemsize * tb.block_size * n].view(tb.dtype)
-        for st in self.streams:  # every stream's prefetch starts now, not at its first wait
-            st.source.send_hint()
-        sources = [(st.unit_reader.blocks, st.reader) for st in self.streams]
-        copy_blocks(
-            rows.reshape(n, tb.block_size),
-            sources,  # type: ignore[arg-type]
-            range(n),
-            streams.tolist(),
-            chunks.tolist(),
-            offsets.tolist(),
-            unit_keys.tolist(),
-        )
-        return self._send(form, n, buf, slot, pool, row)
+        copy_token_rows(self.streams, body, streams, unit_keys, chunks, offsets)
+        return self._send(form, len(streams), buf, slot, pool, row)
 
     def _plan_batch(self, streams: np.ndarray, unit_keys: np.ndarray) -> Any:
         return plan_batch(self.streams, streams, unit_keys)
@@ -517,12 +501,7 @@ class MixedDataset(EpochDataset):
     def _mix_collated(self, streams: np.ndarray, unit_keys: np.ndarray, row: int) -> Any:
         """The per-item path: what a DataLoader worker collating these samples returns."""
         batches.count(self.batch_marks, row, "collated")
-        per = [stream_items(st, unit_keys[streams == s]) for s, st in enumerate(self.streams)]
-        items = []
-        for s in streams.tolist():
-            item = next(per[s])
-            items.append((s, item) if self.tag else item)
-        return default_collate(items)
+        return default_collate(list(mixed_items(self.streams, streams, unit_keys, self.tag)))
 
     # -- the streams' reading ------------------------------------------------------------
     def _forget_forms(self) -> None:
