@@ -489,3 +489,19 @@ def check_mix_layout(raw: Any, name: str) -> tuple[int, int, int, bool]:
             f"[world, workers, batch, drop_last], got {raw!r}"
         )
     return int(raw[0]), int(raw[1]), int(raw[2]), bool(raw[3])
+
+
+def check_worker_slot(pos: DatasetPosition, here: tuple[int, int], name: str) -> None:
+    """A single DataLoader worker's state ``pos`` is loaded into the same worker of the
+    same worker count (``here``: this worker's id and count).
+
+    Raises:
+        ResumeStateError: another worker or worker count (names both).
+    """
+    if (pos.worker, pos.workers) != here:
+        raise ResumeStateError(
+            f"{name}: the state is DataLoader worker {pos.worker} of "
+            f"{pos.workers}'s position, loaded into worker {here[0]} of {here[1]}; "
+            "resume with the same num_workers, or use CacheDataLoader, whose state "
+            "resumes with any worker count"
+        )

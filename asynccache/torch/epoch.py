@@ -36,16 +36,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..bridge import lifeline
 from ..config import Settings
-from ..errors import ConfigError, ResumeStateError
+from ..errors import ConfigError
 from ..read.batchread import Form
 from ..sampling import Plan, Segment, plan
-from ..sampling.nodes import NodeLayout
 from ..sampling.progress import Progress, position_state, progress_at, worker_part
-from ..sampling.state import DatasetPosition, check_dataset_state
+from ..sampling.state import DatasetPosition, check_dataset_state, check_worker_slot
 from ..sampling.steps import Layout
 from . import batches, distributed
-from .lead import FirstBatches, LeadStats, lead_runs
-from .shared_epoch import SharedEpoch
+from .lead import FirstBatches, LeadStats, lead_runs, one_thread
+from .shared_epoch import SharedEpoch, WorkerPlan
 
 __all__ = ["STATE_VERSION", "EpochDataset", "LeadStats"]
 
@@ -187,30 +186,27 @@ class EpochDataset(IterableDataset[Any]):
             return
         self._own()
         self.shared_epoch.publish(
-            {
-                "progress": self._progress.to_json(),
-                "batch_size": self.batch_size,
-                "num_workers": self.num_workers,
-                "rank_world": list(self._rank_world),
-                "nodes": None if self._nodes is None else self._nodes.to_json(),
-                "batched": self._batch_mode,
-                "head": self._head,
-                "batch_drop_last": self._batch_drop_last,
-                "extra": self._published(),
-            }
+            WorkerPlan(
+                self._progress,
+                self.batch_size,
+                self.num_workers,
+                self._rank_world,
+                self._nodes,
+                self._batch_mode,
+                self._head,
+                self._batch_drop_last,
+                self._published(),
+            )
         )
 
     def _sync(self) -> None:
         """In a worker: take the plan the main process published."""
         got = self.shared_epoch.plan()
-        self._progress = Progress.from_json(got["progress"])
-        self.batch_size, self.num_workers = got["batch_size"], got["num_workers"]
-        self._rank_world = (int(got["rank_world"][0]), int(got["rank_world"][1]))
-        self._nodes = NodeLayout.from_json(got.get("nodes"))
-        self._batch_mode = got["batched"]
-        self._head = int(got["head"])
-        self._batch_drop_last = bool(got["batch_drop_last"])
-        self._synced(got["extra"])
+        self._progress, self._rank_world, self._nodes = got.progress, got.rank_world, got.nodes
+        self.batch_size, self.num_workers = got.batch_size, got.num_workers
+        self._batch_mode, self._head = got.batched, got.head
+        self._batch_drop_last = got.batch_drop_last
+        self._synced(got.extra)
 
     # -- epochs --------------------------------------------------------------------
     @property
@@ -304,18 +300,23 @@ class EpochDataset(IterableDataset[Any]):
         else:
             yield from self._iter_items(order, part.segments)
 
+    def _blocks(self, order: Any, segments: list[Segment]) -> Iterator[tuple[Segment, int, Any]]:
+        """The positions of ``segments`` in blocks of :data:`BLOCK`: each block's segment,
+        first position and keys (the download counters reported before each)."""
+        for seg in segments:
+            for a in range(seg.start, seg.end, BLOCK):
+                self._report_stats()
+                yield seg, a, order.keys(a, min(seg.end, a + BLOCK))
+
     def _iter_items(self, order: Any, segments: list[Segment]) -> Iterator[Any]:
         try:
-            for seg in segments:
-                for a in range(seg.start, seg.end, BLOCK):
-                    self._report_stats()
-                    keys = order.keys(a, min(seg.end, a + BLOCK))
-                    chunks, items = self._read_units(keys)
-                    for j, item in enumerate(items):
-                        if j == 0:  # after the first read: it had the bandwidth to itself
-                            self._hint(order, segments, seg, a, chunks)
-                        self._yielded += 1
-                        yield item
+            for seg, a, keys in self._blocks(order, segments):
+                chunks, items = self._read_units(keys)
+                for j, item in enumerate(items):
+                    if j == 0:  # after the first read: it had the bandwidth to itself
+                        self._hint(order, segments, seg, a, chunks)
+                    self._yielded += 1
+                    yield item
         finally:
             self._end_iteration()
 
@@ -331,25 +332,22 @@ class EpochDataset(IterableDataset[Any]):
         pending: list[np.ndarray] = []
         held = 0
         try:
-            for seg in segments:
-                for a in range(seg.start, seg.end, BLOCK):
-                    self._report_stats()
-                    keys = order.keys(a, min(seg.end, a + BLOCK))
-                    pending.append(keys)
-                    held += len(keys)
-                    hinted = False
-                    while held >= bs:
-                        run = np.concatenate(pending)
-                        pending, held = [run[bs:]], len(run) - bs
-                        out = self._batch(run[:bs], pool, row)
-                        if not hinted:
-                            self._hint(order, segments, seg, a, self._chunks_of(keys))
-                            hinted = True
-                        self._yielded += bs
-                        yield out
-                        out = None  # (the consumer's now: a frame holding it would keep it busy)
+            for seg, a, keys in self._blocks(order, segments):
+                pending.append(keys)
+                held += len(keys)
+                hinted = False
+                while held >= bs:
+                    run = np.concatenate(pending)
+                    pending, held = [run[bs:]], len(run) - bs
+                    out = self._batch(run[:bs], pool, row)
                     if not hinted:
                         self._hint(order, segments, seg, a, self._chunks_of(keys))
+                        hinted = True
+                    self._yielded += bs
+                    yield out
+                    out = None  # (the consumer's now: a frame holding it would keep it busy)
+                if not hinted:
+                    self._hint(order, segments, seg, a, self._chunks_of(keys))
             if held and not drop_last:
                 run = np.concatenate(pending)
                 out = self._batch(run, pool, row)
@@ -479,20 +477,16 @@ class EpochDataset(IterableDataset[Any]):
         self._forget_forms()
         self._lead_batches += 1
         last = self._lead_batches >= self._lead_last
-        # One intra-op thread, as in a DataLoader worker: collating on torch's OpenMP pool
-        # took several times longer than on one thread on a busy 2-core machine.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
         built = False
         try:
-            out = self._batch(keys, pool, batches.MAIN_ROW)
+            with one_thread():
+                out = self._batch(keys, pool, batches.MAIN_ROW)
             built = True
             return out
         finally:
             self._lead_open.update(dict.fromkeys(self._chunks_of(keys).tolist()))
             if last:
                 self._head_go()  # the lead batches are built: their reads are in
-            torch.set_num_threads(threads)
             if last or not built:
                 # The batches are copies: no chunk stays mapped or pinned here for the epoch.
                 self._forget_forms()
@@ -557,13 +551,7 @@ class EpochDataset(IterableDataset[Any]):
             return self._worker_state()
         if received is None:  # iterated directly: one worker, one sample at a time
             self._own()
-            if self.shared_epoch.iterated_elsewhere():
-                raise ResumeStateError(
-                    f"{self._name}: this {type(self).__name__} was iterated by DataLoader "
-                    "worker processes, so this process doesn't know what they yielded and "
-                    "its state_dict() would restart the epoch; iterate it with "
-                    "CacheDataLoader and save CacheDataLoader.state_dict() instead"
-                )
+            self.shared_epoch.check_state_here(type(self).__name__)
             num_workers, batch_size, received = 1, 1, self._yielded
         world = self._world(num_workers)
         pr = self._progress.adapted(
@@ -680,13 +668,7 @@ class EpochDataset(IterableDataset[Any]):
     def _load_worker_state(self, state: dict[str, Any], pos: DatasetPosition) -> None:
         info = get_worker_info()
         here = (info.id, info.num_workers) if info is not None else (0, 1)
-        if (pos.worker, pos.workers) != here:
-            raise ResumeStateError(
-                f"{self._name}: the state is DataLoader worker {pos.worker} of "
-                f"{pos.workers}'s position, loaded into worker {here[0]} of {here[1]}; "
-                "resume with the same num_workers, or use CacheDataLoader, whose state "
-                "resumes with any worker count"
-            )
+        check_worker_slot(pos, here, self._name)
         assert pos.yielded is not None
         self._load_extra(state, pos.progress)
         self._progress = pos.progress

@@ -14,12 +14,14 @@ batch (docs/streaming.md, "The first batch built in the main process").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..config import Settings
 from ..download.link import endpoint_of, link_for, part_bytes_for
@@ -36,6 +38,7 @@ __all__ = [
     "HeadStart",
     "LeadStats",
     "lead_runs",
+    "one_thread",
     "workers_first_chunks",
 ]
 
@@ -45,6 +48,19 @@ __all__ = [
 # items are read by range from a shuffled order: a second batch's item GETs would share
 # the connections with the first's and make it several times later.
 LEAD_BATCHES = 2
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while a lead batch is built, as in a DataLoader worker:
+    collating on torch's OpenMP pool took several times longer than on one thread on a
+    busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class LeadStats:

@@ -25,6 +25,7 @@ each other's epochs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ResumeStateError
+from ..sampling.nodes import NodeLayout
+from ..sampling.progress import Progress
 
 __all__ = ["STAT_FIELDS", "SharedEpoch", "shared_bytes"]
 
@@ -111,9 +114,24 @@ class SharedEpoch:
         """DataLoader workers advanced the counters since this process last did."""
         return int(self.counters()[0]) != self.expect
 
+    def check_state_here(self, kind: str) -> None:
+        """A state can be taken in this process, which iterated the dataset itself.
+
+        Raises:
+            ResumeStateError: DataLoader workers iterated it (``kind``: the dataset's
+                class): this process doesn't know what they yielded.
+        """
+        if self.iterated_elsewhere():
+            raise ResumeStateError(
+                f"{self.where}: this {kind} was iterated by DataLoader worker processes, "
+                "so this process doesn't know what they yielded and its state_dict() "
+                "would restart the epoch; iterate it with CacheDataLoader and save "
+                "CacheDataLoader.state_dict() instead"
+            )
+
     # -- the published plan --------------------------------------------------------
-    def publish(self, plan: dict[str, Any]) -> None:
-        raw = json.dumps(plan).encode()
+    def publish(self, plan: WorkerPlan) -> None:
+        raw = json.dumps(plan.to_json()).encode()
         if len(raw) > _PLAN_BYTES:
             raise ResumeStateError(
                 f"{self.where}: the epoch's position holds too many intervals "
@@ -123,11 +141,11 @@ class SharedEpoch:
         self.block[head : head + 8].numpy().view(np.int64)[0] = len(raw)
         self.block[head + 8 : head + 8 + len(raw)].numpy()[:] = np.frombuffer(raw, np.uint8)
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> WorkerPlan:
         """The plan last published."""
         n = int(self.block[_PLAN_AT : _PLAN_AT + 8].numpy().view(np.int64)[0])
-        out: dict[str, Any] = json.loads(bytes(self.block[_PLAN_AT + 8 : _PLAN_AT + 8 + n].numpy()))
-        return out
+        got = json.loads(bytes(self.block[_PLAN_AT + 8 : _PLAN_AT + 8 + n].numpy()))
+        return WorkerPlan.from_json(got)
 
     # -- statistics ----------------------------------------------------------------
     def stat_table(self) -> np.ndarray:
@@ -148,3 +166,49 @@ class SharedEpoch:
     def totals(self) -> dict[str, float]:
         total = self.stat_table().sum(axis=0)
         return {f: float(v) for f, v in zip(STAT_FIELDS, total, strict=True)}
+
+
+@dataclasses.dataclass
+class WorkerPlan:
+    """What a DataLoader worker needs to run an epoch where every worker reads it, as the
+    main process publishes it: the position, how the consumer reads (batch size, workers,
+    whole batches or items, a dropped short batch), this rank's place (DP rank and size,
+    the nodes), the samples the main process handed out itself (``head``) and the
+    dataset's own ``extra`` (JSON-ready)."""
+
+    progress: Progress
+    batch_size: int
+    num_workers: int | None
+    rank_world: tuple[int, int]
+    nodes: NodeLayout | None
+    batched: bool | None
+    head: int
+    batch_drop_last: bool
+    extra: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "progress": self.progress.to_json(),
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "rank_world": list(self.rank_world),
+            "nodes": None if self.nodes is None else self.nodes.to_json(),
+            "batched": self.batched,
+            "head": self.head,
+            "batch_drop_last": self.batch_drop_last,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, got: dict[str, Any]) -> WorkerPlan:
+        return cls(
+            Progress.from_json(got["progress"]),
+            got["batch_size"],
+            got["num_workers"],
+            (int(got["rank_world"][0]), int(got["rank_world"][1])),
+            NodeLayout.from_json(got.get("nodes")),
+            got["batched"],
+            int(got["head"]),
+            bool(got["batch_drop_last"]),
+            got["extra"],
+        )
