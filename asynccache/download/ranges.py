@@ -31,6 +31,7 @@ from ..errors import (
     StorageTimeoutError,
     TransientError,
 )
+from ..format.memory import HUGE_FROM, fresh_bytes
 from ..storage.base import ObjectInfo, Storage
 from .link import LinkEstimate
 from .parts import retry_wait
@@ -73,7 +74,10 @@ class RangeCheck:
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A writable uint8 array of ``nbytes`` whose first byte is 64-byte aligned."""
+    """A writable uint8 array of ``nbytes`` whose first byte is 64-byte aligned (a large
+    one in base pages: :func:`.fresh_bytes`)."""
+    if nbytes >= HUGE_FROM:
+        return fresh_bytes(nbytes)  # (page-aligned)
     raw = np.empty(nbytes + ALIGN, np.uint8)
     skip = -raw.ctypes.data % ALIGN
     return raw[skip : skip + nbytes]

@@ -51,6 +51,7 @@ import torch
 
 from ..bridge.lifeline import pid_alive
 from ..errors import ConfigError
+from ..format.memory import fresh_bytes
 from ..read.batchread import OBJECT_KINDS, Form
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
@@ -237,7 +238,7 @@ class Pool:
                 if mem is None or mem.size < nbytes:
                     if mem is None:
                         count(self.block, self.row, "pooled_buffers")
-                    mem = self.memory[k] = np.empty(nbytes, np.uint8)
+                    mem = self.memory[k] = fresh_bytes(nbytes)
                 return k, torch.from_numpy(mem)
             buf = self.buffers.get(k)
             if buf is None or buf.numel() < nbytes:
