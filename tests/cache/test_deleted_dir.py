@@ -8,12 +8,14 @@ from __future__ import annotations
 import gc
 import pickle
 import shutil
+import threading
 
 import pytest
 import torch
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.errors import BadIndexError
+from asynccache.errors import BadIndexError, CacheError
+from asynccache.testing.faults import Fault, FaultProxy
 from tests.helpers import uploaded, write_noise_dataset
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,3 +64,31 @@ def test_a_sidecar_nothing_reaches_is_named_when_used(remote, objstore, tmp_path
     again = pickle.loads(pickle.dumps(index))  # passed on as it came
     with pytest.raises(BadIndexError, match="missing"):
         again.num_chunks  # noqa: B018
+
+
+def test_a_download_in_flight_when_the_cache_dir_is_deleted(remote, objstore, tmp_path) -> None:
+    """The README's limit: a chunk downloading while its cache directory is deleted fails
+    with ``CacheError`` naming that directory (nothing is published into a directory that
+    is gone, and no half-written file is left); the dataset reads on afterwards, the
+    directory made again."""
+    cache = tmp_path / "cache"
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = StreamingDataset(remote, cache_dir=cache, storage_options=options)
+        spec = ds.source.spec(0)
+        proxy.add_fault(Fault("slow", path=spec.name, after_bytes=10, stall_s=1.5))
+        fut = ds.source.downloader().ensure(spec.name, spec.size, spec.checksum)
+        pause = threading.Event()
+        for _ in range(400):  # bounded: until the chunk's body is held back mid-way
+            if proxy.fired("slow"):
+                break
+            pause.wait(0.02)
+        assert proxy.fired("slow") == 1
+        shutil.rmtree(cache)
+        with pytest.raises(CacheError, match="cache dir") as info:
+            fut.result(timeout=60)
+        assert str(cache) in str(info.value)
+        assert not any(cache.rglob(f"*{spec.name}*"))  # nothing published, no temp file left
+        assert ds[0]["i"] == 0  # the next read fetches it again
+        assert any(cache.rglob(spec.name))
+        ds.close()
