@@ -3,7 +3,7 @@
 numpy advises transparent huge pages for every array of 4 MiB or more. Where the kernel
 hands out huge pages the host has not yet backed (a virtual machine that gives freed
 memory back to its host), the first touch of each is slow: filling a fresh 256 MiB
-``np.empty`` cost 2.1-3.5 s against 0.12 s for the same bytes in base pages
+``np.empty`` cost 2.1-3.6 s against 0.12-0.13 s for the same bytes in base pages
 (docs/performance.md, "Huge pages on first touch"). A batch buffer or a range read is
 filled once, straight after it is made, so it gains little from huge pages and can lose
 seconds; it comes from :func:`fresh_bytes`.
