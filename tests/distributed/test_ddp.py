@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import os
+import signal
 import socket
 import time
 
@@ -17,6 +19,7 @@ from asynccache.config import Settings
 from asynccache.optimize.api import pool_context
 from asynccache.write.upload import upload
 from tests.distributed.ranks import rank_main
+from tests.distributed.traced import stacks_path, stuck_main, traced
 from tests.loader.datasets import DictDataset
 
 N, B = 101, 4
@@ -32,24 +35,69 @@ def free_port() -> int:
 def launch(
     world: int, cfg: dict, timeout: float = 240, main=rank_main, start_method: str = "spawn"
 ) -> list[list[dict]]:
-    """Run ``world`` ranks of ``main`` to completion (bounded), return each rank's epochs."""
+    """Run ``world`` ranks of ``main`` to completion (bounded), return each rank's epochs.
+
+    On a hang, the failure shows every rank's and forked worker's Python stacks."""
     os.makedirs(cfg["out"], exist_ok=True)
     ctx = mp.start_processes(
-        main, args=(world, free_port(), cfg), nprocs=world, join=False, start_method=start_method
+        traced,
+        args=(main, cfg["out"], world, free_port(), cfg),
+        nprocs=world,
+        join=False,
+        start_method=start_method,
     )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, f"{world} ranks did not finish: a hang"
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{world} ranks did not finish in {timeout} s: a hang\n"
+                    + stacks(ctx, cfg["out"])
+                )
     finally:
         for p in ctx.processes:
             if p.is_alive():
-                p.kill()
+                for pid in [*descendants(p.pid), p.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     out = []
     for r in range(world):
         with open(os.path.join(cfg["out"], f"rank{r}.json")) as f:
             out.append(json.load(f))
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, parents first (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def stacks(ctx, out: str) -> str:
+    """Ask each live rank and its forked workers for their stacks; return them, by rank."""
+    for p in ctx.processes:
+        if p.is_alive():
+            for pid in [p.pid, *descendants(p.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.3)  # one process's dump at a time in the rank's file
+    text = []
+    for r, p in enumerate(ctx.processes):
+        with open(stacks_path(out, r)) as f:
+            text.append(f"--- rank {r} ({'alive' if p.is_alive() else p.exitcode}) ---\n{f.read()}")
+    return "\n".join(text)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +177,31 @@ def test_elastic_resume_from_two_ranks_to_three(remote, tmp_path):
     assert len(after) - len(set(after)) < 3, "at most the padding of three ranks"
     nxt = [k for r in post for k in r[1]["keys"]]
     assert set(nxt) == set(range(N)), "the next epoch is whole again"
+
+
+def test_a_hung_launch_shows_every_stack(tmp_path):
+    """The bound on a launch fails with each rank's and its forked child's stacks."""
+    with pytest.raises(pytest.fail.Exception) as err:
+        launch(2, {"out": str(tmp_path)}, timeout=3, main=stuck_main, start_method="forkserver")
+    text = str(err.value)
+    assert "2 ranks did not finish" in text
+    for r in range(2):
+        part = text.split(f"--- rank {r} ")[1].split("--- rank")[0]
+        assert "in stuck_main" in part and "in _child_waits" in part, part
+    for r in range(2):  # and none of them is left running
+        pid = int((tmp_path / f"child-{r}.pid").read_text())
+        assert wait_gone(pid), f"rank {r}'s child {pid} survived the launch"
+
+
+def wait_gone(pid: int, bound: float = 10) -> bool:
+    """Whether ``pid`` is gone (or a zombie) within ``bound`` seconds."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
