@@ -318,9 +318,7 @@ def from_lists(
     ck = None if checksums is None else _frozen(np.fromiter(checksums, np.uint64, n))
     hd = None
     if heads is not None and all(h is not None for h in heads):
-        hd = _frozen(
-            np.fromiter((int(str(h).split(":", 1)[1], 16) for h in heads), np.uint64, n)
-        )
+        hd = _frozen(np.fromiter((int(str(h).split(":", 1)[1], 16) for h in heads), np.uint64, n))
     return Columns(
         _frozen(it),
         _frozen(np.fromiter(sizes, np.int64, n)),

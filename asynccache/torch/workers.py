@@ -2,14 +2,16 @@
 
 * :func:`lazy`: the workers start at the first batch asked for (not at ``iter()``), and
   end with the epoch when it ends by an error or is closed;
-* :func:`led`: the first batches are built in the main process (:mod:`.lead`) while a
-  thread starts the workers, bounded by ``ASYNCCACHE_WORKER_START_S``;
+* :func:`led`: the first batches are built in the main process (:mod:`.lead`) while the
+  workers start: forked by the consumer's own thread between two batches, or started by a
+  thread (spawn, forkserver), bounded by ``ASYNCCACHE_WORKER_START_S``;
 * :func:`shut_down`: end the workers of an iterator nobody reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -88,9 +90,60 @@ def lazy(loader: Iterable[Any]) -> Iterator[Any]:
         yield from it
 
 
+def forks(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader``'s workers start by ``fork`` (its context, else the default)."""
+    ctx = loader.multiprocessing_context
+    if ctx is not None:
+        return bool(ctx.get_start_method() == "fork")
+    # (unset: the first of these is the default, and torch's workers will fix it)
+    method = multiprocessing.get_start_method(allow_none=True)
+    return (method or multiprocessing.get_all_start_methods()[0]) == "fork"
+
+
 def led(first: FirstBatches, loader: DataLoader[Any]) -> Iterator[Any]:
+    """:func:`led_forking` where the workers fork, else :func:`led_starting`."""
+    if forks(loader):
+        return led_forking(first, loader)
+    return led_starting(first, loader)
+
+
+def led_forking(first: FirstBatches, loader: DataLoader[Any]) -> Iterator[Any]:
+    """At the first batch asked for: build ``first``'s batches here, fork the workers,
+    hand the batches over, then the workers' batches, which begin after them.
+
+    Forked by the thread asking for the first batch, before it has it: a child forked by
+    another thread while the consumer runs its step would inherit whatever lock the step
+    held at that moment (torch's, or the consumer's own) and wait for it forever; so
+    would a child forked while a :class:`~asynccache.torch.Fetcher`'s step runs beside
+    the thread that iterates (its step waits for that first batch). Where the link is
+    known to be far, the workers fork before the batches are built, so that their chunk
+    GETs are under way meanwhile. The order of batches and the states taken between them
+    are those of an epoch whose workers made every batch."""
+    it: Iterator[Any] | None = None
+    try:
+        if first.far_link():
+            it = iter(loader)  # forks the workers
+        ready = first.build_all()
+        if it is None:
+            it = iter(loader)  # forks the workers
+        while ready:
+            yield ready.pop(0)  # (the consumer's now)
+        with _ended(loader, it):
+            yield from it
+    finally:
+        # First: a worker waiting for a chunk the main process started for it (its
+        # download lock) would hold its own shutdown up until torch kills it.
+        first.stop_head()
+        if it is not None and not getattr(loader, "persistent_workers", False):
+            shut_down(it)  # (none left at the epoch's end; an epoch left early: its workers)
+        first.done()
+
+
+def led_starting(first: FirstBatches, loader: DataLoader[Any]) -> Iterator[Any]:
     """At the first batch asked for: build ``first``'s batches here, hand them over while
-    a thread starts the workers, then the workers' batches, which begin after them.
+    a thread starts the workers (spawn, forkserver: a fresh interpreter or the fork
+    server's child, which inherits no lock of this process), then the workers' batches,
+    which begin after them.
 
     The order of batches and the states taken between them are those of an epoch whose
     workers made every batch. Starting the workers is bounded

@@ -14,7 +14,7 @@ import os
 import pickle
 import threading
 import time
-from multiprocessing.context import ForkContext, ForkProcess
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from asynccache import CacheDataLoader, StreamingDataset, WorkerStartError
+from asynccache import CacheDataLoader, Fetcher, StreamingDataset, WorkerStartError
 from asynccache.config import Settings
 from asynccache.format import ChunkView
 from asynccache.testing.faults import Fault, FaultProxy
@@ -210,8 +210,9 @@ def test_workers_started_after_a_led_epoch_read_whole_epochs(fixed):
 
 
 # -- when the workers start ----------------------------------------------------------------
-class _HeldProcess(ForkProcess):
-    """A fork-started process whose start waits for ``release`` (at most 30 s)."""
+class _HeldProcess(ForkServerProcess):
+    """A process started by the fork server whose start waits for ``release`` (at most
+    30 s)."""
 
     release = threading.Event()
 
@@ -221,16 +222,16 @@ class _HeldProcess(ForkProcess):
         super().start()
 
 
-class _HeldFork(ForkContext):
+class _HeldServer(ForkServerContext):
     Process = _HeldProcess  # type: ignore[assignment]
 
 
 def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
     remote, objstore, tmp_path, monkeypatch
 ):
-    """Cold, the workers start in a thread after the batches built here; a start that
-    outlasts its bound raises WorkerStartError at the next batch instead of waiting on
-    forever, and workers that start after that are shut down."""
+    """Cold, workers that do not fork start in a thread after the batches built here; a
+    start that outlasts its bound raises WorkerStartError at the next batch instead of
+    waiting on forever, and workers that start after that are shut down."""
     monkeypatch.setattr(_HeldProcess, "release", threading.Event())
     before = {p.pid for p in multiprocessing.active_children()}
     ds = _ds(
@@ -240,12 +241,12 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
         cache_dir=tmp_path / "c",
         storage_options=objstore.storage_options,
     )
-    dl = CacheDataLoader(ds, batch_size=BS, num_workers=2, multiprocessing_context=_HeldFork())
+    dl = CacheDataLoader(ds, batch_size=BS, num_workers=2, multiprocessing_context=_HeldServer())
     it = iter(dl)
     got = [next(it), next(it)]  # the two built here (cold: by range)
     assert ds.lead_stats.epochs == 1 and ds.source.stats.range_gets > 0
     with pytest.raises(
-        WorkerStartError, match=r"2 worker processes \(fork\) did not start within 0.5 s"
+        WorkerStartError, match=r"2 worker processes \(forkserver\) did not start within 0.5 s"
     ):
         next(it)
     _HeldProcess.release.set()
@@ -259,3 +260,45 @@ def test_workers_that_do_not_start_in_time_raise_and_are_shut_down(
         time.sleep(0.02)
     assert len(got) == 2
     ds.close()
+
+
+_FORKED_BY: list[str] = []  # the thread of each fork of this process, while recorded
+os.register_at_fork(before=lambda: _FORKED_BY.append(threading.current_thread().name))
+_STEP = threading.Lock()  # a lock of the consumer's, held through its step
+
+
+def _init_takes_the_step_lock(worker_id: int) -> None:
+    with _STEP:  # forked while the consumer held it: held in the child forever
+        pass
+
+
+@pytest.mark.parametrize("via", ["loop", "fetcher"])
+def test_workers_fork_before_the_first_batch_is_handed_over(fixed, via):
+    """Forked workers are forked by the thread that asks for the first batch, before it
+    has it: a child forked while the consumer runs its step (a thread forking beside
+    it) inherits every lock the step holds at that moment, torch's included, and waits
+    for it forever. Here the step holds a lock of its own that each worker takes as it
+    starts, through the first step a while: the epoch completes (torch's timeout bounds a
+    worker that never answers). With a Fetcher its thread iterates, and forks while the
+    step waits for the first batch."""
+    ds = _ds(fixed, True, True)
+    dl = CacheDataLoader(
+        ds,
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_init_takes_the_step_lock,
+        timeout=30,
+    )
+    _FORKED_BY.clear()
+    got: list[int] = []
+    for b in dl if via == "loop" else Fetcher(dl):
+        with _STEP:  # the step
+            got += _keys(b)
+            if len(got) == 4:
+                time.sleep(0.5)  # the first step: long enough for any fork beside it
+    forked_by = list(_FORKED_BY)
+    assert sorted(got) == list(range(23))
+    assert ds.lead_stats.epochs == 1  # the first batches were built here
+    thread = threading.main_thread().name if via == "loop" else "asynccache-fetcher"
+    assert forked_by == [thread] * 2, forked_by

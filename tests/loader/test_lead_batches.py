@@ -72,7 +72,9 @@ def test_workers_whose_first_batch_was_built_here_read_nothing_by_range(remote, 
             for b in CacheDataLoader(ds, batch_size=BS, num_workers=workers)
         ]
         heads = [r.path for r in proxy.requests if r.method == "GET" and r.range == header]
-    assert ds.lead_stats.epochs == 1 and ds.lead_stats.batches == 2  # the first two batches, built here
+    assert (
+        ds.lead_stats.epochs == 1 and ds.lead_stats.batches == 2
+    )  # the first two batches, built here
     assert sorted(i for b in got for i in b["i"].tolist()) == list(range(N))
     for b in got[:2]:
         for k, row in zip(b["i"].tolist(), b["x"], strict=True):
@@ -155,7 +157,11 @@ def test_a_mix_s_first_batches_built_here_are_the_plain_runs(streams):
         runs[here] = (pairs(first), pairs(rest), state, ds, again_ds, dl.batch_fallback)
     (f, r, state, ds, again_ds, fallback), (pf, pr, pstate, plain, _, _) = runs[True], runs[False]
     assert fallback is None  # whole batches from the workers
-    assert ds.lead_stats.epochs == 1 and again_ds.lead_stats.epochs == 1 and plain.lead_stats.epochs == 0
+    assert (
+        ds.lead_stats.epochs == 1
+        and again_ds.lead_stats.epochs == 1
+        and plain.lead_stats.epochs == 0
+    )
     assert ds.lead_stats.batches >= 1 and again_ds.lead_stats.batches == 2
     assert f == pf and state == pstate and r == pr
     assert len(f) + len(r) == sum(ds.stream_counts)
