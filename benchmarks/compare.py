@@ -476,15 +476,23 @@ def batch_len(batch: Any) -> int:
 
 
 GETS_LOG: list[dict[str, Any]] = []  # --gets-log: every epoch's requests, as the proxy saw them
+# The PSS of the loader ceiling's items, held by this process from the first limits of a
+# dataset to its last epoch (Limits.items): left out of each library epoch's peaks.
+HELD_PSS: dict[str, int] = {}
 
 
 def timed(
-    s: Setup, open_loader: Callable[[], Iterable[Any]], cache: Path | None = None, label: str = ""
+    s: Setup,
+    open_loader: Callable[[], Iterable[Any]],
+    cache: Path | None = None,
+    label: str = "",
+    own_items: bool = False,
 ) -> tuple[Epoch, Any]:
     """One epoch of ``open_loader()`` (made inside the clock); returns it and the loader.
 
     With a proxy, the epoch's GETs (kept in ``GETS_LOG`` under ``label``); with ``cache``,
-    the peak bytes under it.
+    the peak bytes under it. The PSS peaks leave out the loader ceiling's items held
+    meanwhile (``HELD_PSS``), unless the epoch is that loader's (``own_items``).
     """
     out = Epoch()
     proxy = s.proxy
@@ -509,7 +517,10 @@ def timed(
     # the samplers' own CPU is the instruments', not the client's
     clock.stop(mem, *([peak_dir] if peak_dir is not None else []))
     out.cpu, out.cpu_store = clock.client, clock.other
-    out.pss, out.anon, out.shmem = mem.peak["Pss"], mem.peak["Pss_Anon"], mem.peak["Pss_Shmem"]
+    held = {} if own_items else HELD_PSS
+    out.pss, out.anon, out.shmem = (
+        max(0, mem.peak[k] - held.get(k, 0)) for k in ("Pss", "Pss_Anon", "Pss_Shmem")
+    )
     if proxy is not None:
         out.cpu_proxy = proxy.cpu() - proxy_cpu
         log = proxy.take()
@@ -861,6 +872,14 @@ class Limits:
     raw_get: list[Epoch] = field(default_factory=list)
     ceiling: list[Epoch] = field(default_factory=list)
     ceiling_shuffled: list[Epoch] = field(default_factory=list)
+    # The loader ceiling's items: built at the first limits, held until release().
+    items: Any = None
+
+    def release(self) -> None:
+        """Free the items, after the dataset's last epoch."""
+        self.items = None
+        HELD_PSS.clear()
+        gc.collect()
 
     def cold_ceiling(self, rep: int, shuffled: bool, n: int) -> float:
         g = self.raw_get[rep]
@@ -892,9 +911,22 @@ def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency:
         )
     lim.raw_get.append(raw)
     shape = s.shape
-    # (built anew each repetition: held during the libraries' epochs, they would count in
-    # the PSS of this process)
-    items = make_items(s.n, s.item_bytes) if shape is None else ram_items(shape, s.written)
+    if lim.items is None:
+        # Built once and held through the libraries' epochs. Freed before them, the
+        # dataset's size of memory made the next cold epoch pay for fresh pages (half its
+        # speed on this machine, docs/performance.md "Huge pages on first touch"), and only
+        # the first library of each repetition paid. Their PSS is left out of the
+        # libraries' (HELD_PSS).
+        before = limits.rollup(os.getpid())
+        lim.items = make_items(s.n, s.item_bytes) if shape is None else ram_items(shape, s.written)
+        after = limits.rollup(os.getpid())
+        HELD_PSS.update(
+            {
+                k: max(0, after.get(k, 0) - before.get(k, 0))
+                for k in ("Pss", "Pss_Anon", "Pss_Shmem")
+            }
+        )
+    items = lim.items
     rep = len(lim.raw_get) - 1
     transform = shape.transform if shape is not None else None
     collate = {} if shape is None or shape.collate is None else {"collate_fn": shape.collate}
@@ -905,10 +937,9 @@ def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency:
             num_workers=s.workers,
             **collate,
         )
-        out.append(timed(s, lambda loader=loader: loader)[0])
+        out.append(timed(s, lambda loader=loader: loader, own_items=True)[0])
         del loader
     del items
-    gc.collect()
     print(
         f"  limits: raw GET {s.n / seconds:,.0f} items/s, loader ceiling "
         f"{lim.ceiling[-1].rate:,.0f} / shuffled {lim.ceiling_shuffled[-1].rate:,.0f}",
@@ -1140,6 +1171,7 @@ def run(args: argparse.Namespace) -> None:
                 measure_limits(setup, lim, parts, concurrency)
                 for lib in results[rep % len(results) :] + results[: rep % len(results)]:
                     library_epochs(setup, lib, rep)
+            lim.release()
             memory = None
             if args.memory_check and proxy is None and args.reps:
                 print("memory: asynccache's cold epoch alone in a spawned process", flush=True)
@@ -1290,6 +1322,7 @@ def run_matrix(args: argparse.Namespace) -> None:
                             lib.refused = f"failed: {last_line(exc)}"
                             print(f"  {lib.name}: {lib.refused}", flush=True)
                             forget(lib.name)
+                lim.release()
                 delete_prefix(client, f"{name}/")
                 if not args.src_dir:
                     shutil.rmtree(src, ignore_errors=True)
