@@ -888,9 +888,22 @@ class Limits:
         return n / max(g.seconds, c.seconds, cpu / limits.cores())
 
 
+def settle() -> None:
+    """Write back every dirty page before a repetition: what the writers and uploads left
+    in the page cache (the object store's volume files) was written back during the next
+    epochs, and the first of them, the limits' and each library's in-order cold epoch,
+    ran at a fraction of their speed (docs/performance.md, the shape matrix)."""
+    t = time.perf_counter()
+    os.sync()
+    dt = time.perf_counter() - t
+    if dt > 0.5:
+        print(f"  (writing back the page cache took {dt:.1f} s)", flush=True)
+
+
 def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency: int) -> None:
     from torch.utils.data import DataLoader
 
+    settle()
     st = s.store
     target = limits.S3Target(s.endpoint, BUCKET, st.access_key, st.secret_key, st.region)
     if s.proxy is not None:
