@@ -2,9 +2,10 @@
 
 * :func:`lazy`: the workers start at the first batch asked for (not at ``iter()``), and
   end with the epoch when it ends by an error or is closed;
-* :func:`led`: the first batches are built in the main process (:mod:`.lead`) while the
-  workers start: forked by the consumer's own thread between two batches, or started by a
-  thread (spawn, forkserver), bounded by ``ASYNCCACHE_WORKER_START_S``;
+* :func:`led`: the first batches are built in the main process (:mod:`.lead`) and handed
+  over while the workers start: forked by the thread asking for the first batch before it
+  returns, or started by a thread (spawn, forkserver), bounded by
+  ``ASYNCCACHE_WORKER_START_S``;
 * :func:`shut_down`: end the workers of an iterator nobody reads.
 """
 
