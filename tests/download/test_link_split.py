@@ -172,6 +172,9 @@ def test_the_window_starts_a_chunk_as_parts_of_the_one_before_land(
             while not all(store.is_cached(n) for n in names):
                 assert time.monotonic() < deadline, "the window did not land"
                 time.sleep(0.01)
+            while dl.snapshot().chunks_fetched < len(names):  # (counted just after its publish)
+                assert time.monotonic() < deadline, "a chunk that landed was never counted"
+                time.sleep(0.01)
             stats = dl.snapshot()
         finally:
             dl.close()
