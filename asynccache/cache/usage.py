@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 
@@ -109,6 +110,7 @@ def scan(
                 files = list(it)
         except (FileNotFoundError, NotADirectoryError):
             continue
+        listed = {f.name for f in files}
         for f in files:
             chunk = is_chunk_name(f.name)
             if not chunk and not is_chunk_temp_name(f.name):
@@ -118,6 +120,22 @@ def scan(
                     continue
                 st = f.stat(follow_symlinks=False)
             except FileNotFoundError:
+                if chunk:
+                    continue  # removed since the listing
+                # Published since the listing (publishing takes no lock a scan holds):
+                # the chunk it became, which the listing did not see, is counted.
+                final = temp_final_name(f.name)
+                if final in listed:
+                    continue
+                listed.add(final)
+                path = os.path.join(root, final)
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed unused
+                if stat.S_ISREG(st.st_mode):
+                    used += st.st_size
+                    entries.append(Entry(path, st.st_size, st.st_mtime))
                 continue
             if chunk:
                 used += st.st_size
