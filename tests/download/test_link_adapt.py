@@ -330,6 +330,7 @@ def test_a_chunk_goes_out_in_as_many_parts_as_connections(tmp_path, lt, http_ori
         dl = Downloader(storage, store, settings, loop_thread=lt)
         try:
             _fetch_together(dl, data, names)
+            splits = dl.stats.splits
         finally:
             dl.close()
         ranges: dict[str, list[str]] = {}
@@ -338,7 +339,17 @@ def test_a_chunk_goes_out_in_as_many_parts_as_connections(tmp_path, lt, http_ori
                 ranges.setdefault(r.path.rsplit("/", 1)[-1], []).append(r.range)
     part = 3 * MiB
     want = [f"bytes={i * part}-{(i + 1) * part - 1}" for i in range(4)]
-    assert {name: sorted(got) for name, got in ranges.items()} == {n: want for n in names}
+    assert sorted(ranges) == names
+    for name, got in ranges.items():
+        assert all(w in got for w in want), (name, got)
+    # On a busy machine a part that lags may have its back half split off to a request of
+    # its own once the other parts have landed (a straggler split, counted): that one
+    # lies inside a planned part, past its start. Nothing else goes out.
+    extra = [(n, g) for n, got in ranges.items() for g in got if g not in want]
+    assert len(extra) == splits, (extra, splits)
+    for name, got in extra:
+        a, b = (int(x) for x in got.removeprefix("bytes=").split("-"))
+        assert a // part == b // part and a % part > 0, (name, got)
 
 
 def test_endpoint_is_the_s3_endpoint_or_the_url_host() -> None:
