@@ -91,6 +91,7 @@ epoch's requests as the proxy saw them (JSON).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -870,6 +871,8 @@ def fraction_epochs(s: Setup, lib: Lib, rep: int) -> None:
 @dataclass
 class Limits:
     raw_get: list[Epoch] = field(default_factory=list)
+    # (i-b): the same GETs written into files as they arrive (fresh page-cache pages).
+    raw_get_files: list[Epoch] = field(default_factory=list)
     ceiling: list[Epoch] = field(default_factory=list)
     ceiling_shuffled: list[Epoch] = field(default_factory=list)
     # The loader ceiling's items: built at the first limits, held until release().
@@ -881,8 +884,11 @@ class Limits:
         HELD_PSS.clear()
         gc.collect()
 
-    def cold_ceiling(self, rep: int, shuffled: bool, n: int) -> float:
-        g = self.raw_get[rep]
+    def cold_ceiling(self, rep: int, shuffled: bool, n: int, *, files: bool = False) -> float:
+        """(iv) of repetition ``rep``; ``files``: with (i-b) for (i), the cold ceiling of a
+        loader that keeps what it downloads in files (each byte lands in a page-cache page
+        it allocates: sys time that (i) never pays)."""
+        g = (self.raw_get_files if files else self.raw_get)[rep]
         c = (self.ceiling_shuffled if shuffled else self.ceiling)[rep]
         cpu = g.cpu + g.cpu_store + g.cpu_proxy + c.cpu
         return n / max(g.seconds, c.seconds, cpu / limits.cores())
@@ -923,6 +929,7 @@ def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency:
             {"epoch": f"raw GET {len(lim.raw_get)}", "t0": m0, "t1": m1, "requests": log}
         )
     lim.raw_get.append(raw)
+    lim.raw_get_files.append(_raw_get_into_files(s, target, parts, concurrency))
     shape = s.shape
     if lim.items is None:
         # Built once and held through the libraries' epochs. Freed before them, the
@@ -953,11 +960,32 @@ def measure_limits(s: Setup, lim: Limits, parts: list[limits.Part], concurrency:
         out.append(timed(s, lambda loader=loader: loader, own_items=True)[0])
         del loader
     del items
+    files = lim.raw_get_files[-1]
     print(
-        f"  limits: raw GET {s.n / seconds:,.0f} items/s, loader ceiling "
+        f"  limits: raw GET {s.n / seconds:,.0f} items/s (into files {s.n / files.seconds:,.0f}, "
+        f"client CPU {raw.cpu:.2f} / {files.cpu:.2f} s), loader ceiling "
         f"{lim.ceiling[-1].rate:,.0f} / shuffled {lim.ceiling_shuffled[-1].rate:,.0f}",
         flush=True,
     )
+
+
+def _raw_get_into_files(
+    s: Setup, target: limits.S3Target, parts: list[limits.Part], concurrency: int
+) -> Epoch:
+    """(i-b) on the caches' file system: the files removed after (their pages freed)."""
+    where = s.cache("raw-get-into-files")
+    proxy_cpu = s.proxy.cpu() if s.proxy is not None else 0.0
+    clock = limits.CpuClock(s.store.pid).start()
+    try:
+        seconds = asyncio.run(limits.raw_get_into_files(target, parts, concurrency, where))
+    finally:
+        clock.stop()
+        shutil.rmtree(where, ignore_errors=True)
+    out = Epoch(s.n, 0.0, seconds, clock.client, clock.other)
+    if s.proxy is not None:
+        out.cpu_proxy = s.proxy.cpu() - proxy_cpu
+        s.proxy.take()  # (its GETs are not a library's)
+    return out
 
 
 # -- memory: asynccache's cold epoch alone in a fresh process --------------------------------
@@ -1396,7 +1424,16 @@ def verdicts(r: ShapeRun, lib: Lib) -> str:
         if shuffled is None:
             why = "per-item path (transform / collate_fn)" if per_item else f"path: {lib.path}"
         else:
-            why = f"(iv) bound by {binding(lim, 0, shuffled, n)}"
+            in_files = med(
+                ratios(
+                    lib.shuffled if shuffled else lib.cold,
+                    [lim.cold_ceiling(k, shuffled, n, files=True) for k in reps],
+                )
+            )
+            why = (
+                f"(iv) bound by {binding(lim, 0, shuffled, n)}; {in_files:.2f} of (iv) "
+                "with (i-b) for (i)"
+            )
         missed.append(f"{what} {got:.2f} < {want:g} ({why})")
     if cpu > cpu_iii:
         missed.append(f"CPU {cpu:.2f} > (iii)'s {cpu_iii:.2f} s/GiB")
@@ -1450,9 +1487,13 @@ def report_matrix(
                 f"| {cell([e.pss / MIB for e in lib.cold])} "
                 f"| {verdicts(r, lib) if lib.name == 'asynccache' else '-'} |"
             )
+        iv_b = [lim.cold_ceiling(k, False, n, files=True) for k in reps]
+        iv_b_sh = [lim.cold_ceiling(k, True, n, files=True) for k in reps]
         print(
             f"| {r.shape.name} | {n:,} | limits | - | (i) {cell([n / g.seconds for g in lim.raw_get])}"
-            f" items/s | (iv) {cell(iv)} / shuffled {cell(iv_sh)} | (iii) {cell(iii)} "
+            f" / (i-b) {cell([n / g.seconds for g in lim.raw_get_files])} items/s "
+            f"| (iv) {cell(iv)} / shuffled {cell(iv_sh)}; with (i-b): {cell(iv_b)} / "
+            f"{cell(iv_b_sh)} | (iii) {cell(iii)} "
             f"| shuffled {cell(iii_sh)} | - | (iii) {cell(iii_cpu, '.2f')} s/GiB "
             f"| (iii) {cell([c.pss / MIB for c in lim.ceiling])} | - |"
         )
