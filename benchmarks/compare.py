@@ -1368,6 +1368,10 @@ def run_matrix(args: argparse.Namespace) -> None:
                 if not args.src_dir:
                     shutil.rmtree(src, ignore_errors=True)
                 runs.append(ShapeRun(shape, setup, lim, results, payload(shape, n)))
+                if len(runs) < len(names):
+                    # A long matrix stopped early keeps the shapes it measured.
+                    print("\n(the table so far)", flush=True)
+                    report_matrix(args, runs, date, load_before, concurrency)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report_matrix(args, runs, date, load_before, concurrency)
