@@ -16,7 +16,12 @@ def test_stats_sum_every_worker_and_add_the_fetchers_stall(objstore, bucket, tmp
     list(CacheDataLoader(DictDataset(N), cache_dir=src, chunk_size=4, batch_size=8))
     url = f"s3://{bucket}/ds"
     upload(src, url, objstore.storage_options, settings=Settings.from_env(progress=False))
-    ds = StreamingDataset(url, cache_dir=tmp_path / "c", storage_options=objstore.storage_options)
+    ds = StreamingDataset(
+        url,
+        cache_dir=tmp_path / "c",
+        storage_options=objstore.storage_options,
+        max_cache_bytes="64MiB",  # far below the disk: the budget is the setting, not the disk
+    )
     chunks = len(ds.index.chunks)
     dl = CacheDataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
     assert dl.stats.chunks_fetched == 0
@@ -31,7 +36,7 @@ def test_stats_sum_every_worker_and_add_the_fetchers_stall(objstore, bucket, tmp
         if f.startswith("chunk-")
     )
     assert first.bytes == on_disk and first.cached_bytes == on_disk
-    assert first.cache_budget == ds.settings.max_cache_bytes
+    assert first.cache_budget == ds.settings.max_cache_bytes == 64 << 20
     with Fetcher(dl, prefetch_batches=2) as fetcher:  # new worker processes: all hits
         assert sum(1 for _ in fetcher) == N // 4
         second = dl.stats.with_stall(fetcher.stats)
