@@ -111,26 +111,15 @@ def _free(token: str, row: int, slot: int, mark: int) -> None:
         cells[row, slot] = 0
 
 
-def _first_tensor(data: Any) -> torch.Tensor | None:
-    if isinstance(data, torch.Tensor):
-        return data
-    if isinstance(data, (str, bytes)):
-        return None
-    for v in data.values() if isinstance(data, dict) else data:
-        t = _first_tensor(v)
-        if t is not None:
-            return t
-    return None
-
-
-def _received(data: Any, token: str, row: int, slot: int, mark: int) -> Any:
-    """The consumer got ``data``: free the slot once the batch's storage is collected
-    (every leaf of the batch is a view of that one storage)."""
-    t = _first_tensor(data)
-    if t is None:  # no tensor: nothing of the buffer is held
-        _free(token, row, slot, mark)
-        return data
-    fin = weakref.finalize(t.untyped_storage(), _free, token, row, slot, mark)
+def _rebuilt(
+    token: str, row: int, slot: int, mark: int, mem: np.ndarray, build: Any, args: tuple[Any, ...]
+) -> Any:
+    """``build(base, *args)`` over a storage of this batch's own (``base``, over ``mem``):
+    the slot is freed once that storage is collected, that is once the consumer holds no
+    view of it (at once, when the batch holds none)."""
+    base = torch.from_numpy(mem)
+    data = build(base, *args)
+    fin = weakref.finalize(base.untyped_storage(), _free, token, row, slot, mark)
     fin.atexit = False
     return data
 
@@ -141,12 +130,12 @@ def _unpickled(
     slot: int,
     mark: int,
     buffer_id: int,
-    form: Form,
-    n: int,
     storage: Any,
-    objects: list[Any] | None = None,
+    build: Any,
+    args: tuple[Any, ...],
 ) -> Any:
-    """In the consumer: the batch in slot ``slot`` of worker row ``row``.
+    """In the consumer: the batch in slot ``slot`` of worker row ``row``, as
+    ``build(base, *args)`` makes it from the buffer (``base``: a uint8 tensor over it).
 
     The first batch of a buffer brings its shared storage (``storage``), which this
     process maps once, keeps, and acknowledges in the block; later batches of the buffer
@@ -163,7 +152,11 @@ def _unpickled(
     got = maps.get((row, slot))
     if got is None or got[0] != buffer_id:  # not acknowledged, so never sent without it
         raise RuntimeError(f"batch buffer {buffer_id} of worker row {row} was never received")
-    return _received(wrap(form, torch.from_numpy(got[1]), n, objects), token, row, slot, mark)
+    return _rebuilt(token, row, slot, mark, got[1], build, args)
+
+
+def _wrapped(base: torch.Tensor, form: Form, n: int, objects: list[Any] | None) -> Any:
+    return wrap(form, base, n, objects)
 
 
 class Pooled:
@@ -230,6 +223,16 @@ class Pool:
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A free slot and its buffer of at least ``nbytes`` (slot -1: not pooled)."""
+        got = self.take_free(nbytes)
+        if got is not None:
+            return got
+        count(self.block, self.row, "unpooled_buffers")
+        if self.here:
+            return -1, torch.empty(nbytes, dtype=torch.uint8)
+        return -1, shared_bytes(nbytes)
+
+    def take_free(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        """A free slot and its buffer of at least ``nbytes``; None: none is free."""
         for k in range(max(2, min(POOL_SLOTS, POOL_BYTES // max(nbytes, 1)))):
             if self.cells[k] != 0:
                 continue
@@ -247,10 +250,7 @@ class Pool:
                 buf = self.buffers[k] = shared_bytes(nbytes)
                 self.ids[k] = self._id()
             return k, buf
-        count(self.block, self.row, "unpooled_buffers")
-        if self.here:
-            return -1, torch.empty(nbytes, dtype=torch.uint8)
-        return -1, shared_bytes(nbytes)
+        return None
 
     def send(
         self,
@@ -263,8 +263,15 @@ class Pool:
         """The batch of ``n`` rows laid out by ``form`` in slot ``slot``'s buffer ``buf``
         (its str / bytes leaves' lists: ``objects``, as ``assemble_into`` returned them),
         as the consumer will get it; the slot is busy until the consumer drops it."""
+        return self.hand_over(slot, buf, _wrapped, (form, n, objects))
+
+    def hand_over(self, slot: int, buf: torch.Tensor, build: Any, args: tuple[Any, ...]) -> Any:
+        """The batch in slot ``slot``'s buffer ``buf`` as the consumer will get it:
+        ``build(base, *args)`` (a module-level function: it travels by name), ``base`` a
+        uint8 tensor over the buffer there. The slot is busy until the consumer holds no
+        view of ``base``."""
         if slot < 0:
-            return wrap(form, buf, n, objects)
+            return build(buf, *args)
         mark = self._id()
         self.cells[slot] = mark
         if not self.here and not self._owned():
@@ -275,15 +282,15 @@ class Pool:
             count(self.block, self.row, "unpooled_buffers")
             out = shared_bytes(buf.numel())
             out.numpy()[:] = buf.numpy()  # (numpy: no torch thread pool in a forked worker)
-            return wrap(form, out, n, objects)
+            return build(out, *args)
         if self.here:
-            return _received(wrap(form, buf, n, objects), self.token, self.row, slot, mark)
+            return _rebuilt(self.token, self.row, slot, mark, buf.numpy(), build, args)
         buffer_id = self.ids[slot]
         storage = None
         if int(self.acks[slot]) != buffer_id:  # the consumer has not mapped it yet
             storage = buf.untyped_storage()
             count(self.block, self.row, "sent_buffers")
-        return Pooled(self.token, self.row, slot, mark, buffer_id, form, n, storage, objects)
+        return Pooled(self.token, self.row, slot, mark, buffer_id, storage, build, args)
 
 
 _TORCH_DTYPES: dict[tuple[str, str], torch.dtype | None] = {}

@@ -16,6 +16,7 @@ from ..sampling.steps import Skips
 from . import distributed
 from .cache import Cache
 from .epoch import EpochDataset
+from .handover import HandedOver
 from .loader_state import STATE_VERSION as STATE_VERSION  # (importable here as before)
 from .loader_state import base_state, check_map_settings, loaded_skips, map_resume, stream_received
 from .loader_stats import LoaderStats
@@ -389,7 +390,7 @@ class CacheDataLoader(DataLoader[Any]):
                     persistent=self.persistent_workers,
                     batch_size=self._bs,
                     drop_last=self.drop_last,
-                    collate_fn=self.collate_fn,
+                    collate_fn=HandedOver(self.collate_fn),
                 )
             if self.persistent_workers:
                 self._stream_loader = loader

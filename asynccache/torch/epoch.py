@@ -391,6 +391,12 @@ class EpochDataset(IterableDataset[Any]):
             self.__dict__["_pool_pid"] = os.getpid()
         return pool
 
+    def worker_pool(self) -> batches.Pool:
+        """This DataLoader worker's pool of batch buffers (a ``collate_fn``'s batches
+        travel in it too: :mod:`.handover`)."""
+        info = get_worker_info()
+        return self._batch_pool(0 if info is None else info.id % batches.MAIN_ROW, here=False)
+
     def _buffer(self, form: Form, n: int, pool: batches.Pool) -> tuple[torch.Tensor, int]:
         slot, buf = pool.take(form.regions(max(n, self.batch_size))[1])
         return buf, slot

@@ -1,0 +1,168 @@
+"""Batches a ``collate_fn`` made in a DataLoader worker, handed over in pooled buffers.
+
+Where a loader collates items per item (a ``collate_fn``, a ``transform``), its DataLoader
+workers pickle each batch to the main process. torch moves a tensor's storage into a new
+shared-memory segment (a fresh mapping in both processes, one per tensor), and a numpy
+array is copied into the pickle, through the pipe and out again: four copies of every
+byte, the cost the same DataLoader over items in RAM pays too.
+
+:class:`HandedOver` wraps the user's ``collate_fn``. In a worker of a streaming dataset
+it copies the batch's arrays, once, into one buffer of the worker's pool of shared memory
+(the pool whole batches use, :mod:`.batches`), and the consumer gets views of its mapping
+of that buffer, kept from batch to batch. What is moved:
+
+* numpy arrays (``type(x) is np.ndarray``, no Python objects in the dtype, C-contiguous
+  or not contiguous at all: the consumer gets a C-contiguous array, as pickle gives);
+* plain CPU tensors not already in shared memory (``type(x) is torch.Tensor``, strided,
+  contiguous, no grad, not quantized, no conjugate or negative bit);
+
+found in dicts, lists and tuples (their exact types; anything else is pickled as it is,
+with what it holds), when they come to :data:`MIN_BYTES` or more in all. Each comes out
+with its dtype, shape and values, writable; an array the batch holds twice comes out as
+one array held twice, as pickle keeps it. Tensors ``default_collate`` builds in a worker
+already lie in shared memory and are left as they are.
+
+The buffer stays busy while the consumer holds any array or tensor of the batch, or any
+view of one. A worker whose buffers are all busy (a consumer that keeps its batches)
+pickles the batch as it is, as without the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from .batches import Pool, count
+
+__all__ = ["MIN_BYTES", "HandedOver", "hand_over"]
+
+#: Below this many bytes of arrays in a batch, pickling it costs less than a buffer's
+#: bookkeeping.
+MIN_BYTES = 64 << 10
+_ALIGN = 64
+
+
+class _Leaf:
+    """Where the ``k``-th moved array goes back in the batch."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Leaf, (self.k,))
+
+
+def _movable(x: Any) -> bool:
+    t = type(x)
+    if t is np.ndarray:
+        return (
+            bool(x.size)
+            and not x.dtype.hasobject
+            and (x.flags.c_contiguous or not x.flags.f_contiguous)
+        )
+    if t is torch.Tensor:
+        return (
+            x.device.type == "cpu"
+            and x.layout == torch.strided
+            and x.numel() > 0
+            and not x.requires_grad
+            and not x.is_quantized
+            and not x.is_conj()
+            and not x.is_neg()
+            and x.is_contiguous()
+            and not x.is_shared()
+        )
+    return False
+
+
+def _strip(node: Any, moved: list[Any], seen: dict[int, int]) -> Any:
+    """``node`` with each movable array replaced by a :class:`_Leaf` (appended to
+    ``moved``; one met again by the same leaf)."""
+    t = type(node)
+    if t is dict:
+        return {k: _strip(v, moved, seen) for k, v in node.items()}
+    if t is list:
+        return [_strip(v, moved, seen) for v in node]
+    if t is tuple:
+        return tuple(_strip(v, moved, seen) for v in node)
+    if _movable(node):
+        k = seen.get(id(node))
+        if k is None:
+            k = seen[id(node)] = len(moved)
+            moved.append(node)
+        return _Leaf(k)
+    return node
+
+
+def _fill(node: Any, arrays: list[Any]) -> Any:
+    t = type(node)
+    if t is _Leaf:
+        return arrays[node.k]
+    if t is dict:
+        return {k: _fill(v, arrays) for k, v in node.items()}
+    if t is list:
+        return [_fill(v, arrays) for v in node]
+    if t is tuple:
+        return tuple(_fill(v, arrays) for v in node)
+    return node
+
+
+def _built(base: torch.Tensor, skeleton: Any, specs: list[tuple[int, int, Any, Any]]) -> Any:
+    """In the consumer: the batch, its arrays views of ``base`` (a uint8 tensor over the
+    buffer). ``specs``: each array's offset, bytes, dtype (numpy's or torch's), shape."""
+    mem = base.numpy()
+    arrays: list[Any] = []
+    for off, nbytes, dtype, shape in specs:
+        if isinstance(dtype, torch.dtype):
+            arrays.append(base[off : off + nbytes].view(dtype).view(shape))
+        else:
+            arrays.append(mem[off : off + nbytes].view(dtype).reshape(shape))
+    return _fill(skeleton, arrays)
+
+
+def hand_over(batch: Any, pool: Pool) -> Any:
+    """``batch`` as it travels to the consumer: its movable arrays copied into a buffer of
+    ``pool`` (unchanged when they come to less than :data:`MIN_BYTES`)."""
+    moved: list[Any] = []
+    skeleton = _strip(batch, moved, {})
+    if sum(a.nbytes for a in moved) < MIN_BYTES:
+        return batch
+    specs: list[tuple[int, int, Any, Any]] = []
+    end = 0
+    for a in moved:
+        specs.append((end, a.nbytes, a.dtype, tuple(a.shape)))
+        end += -(-a.nbytes // _ALIGN) * _ALIGN
+    got = pool.take_free(end)
+    if got is None:  # every buffer busy (the consumer holds their batches): pickled
+        count(pool.block, pool.row, "unpooled_buffers")
+        return batch
+    slot, buf = got
+    mem = buf.numpy()
+    for a, (off, nbytes, dtype, shape) in zip(moved, specs, strict=True):
+        if isinstance(a, torch.Tensor):
+            buf[off : off + nbytes].view(dtype).view(shape).copy_(a)
+        else:
+            np.copyto(mem[off : off + nbytes].view(dtype).reshape(shape), a, casting="no")
+    del moved
+    return pool.hand_over(slot, buf, _built, (skeleton, specs))
+
+
+class HandedOver:
+    """The user's ``collate_fn`` (``fn``), its batches handed over in the worker's pooled
+    buffers when it runs in a DataLoader worker of a dataset that has them (a
+    ``StreamingDataset`` or a mix); elsewhere ``fn``'s batches as they are."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, items: list[Any]) -> Any:
+        batch = self.fn(items)
+        info = get_worker_info()
+        pool = None if info is None else getattr(info.dataset, "worker_pool", None)
+        return batch if pool is None else hand_over(batch, pool())
