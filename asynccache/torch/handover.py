@@ -19,8 +19,10 @@ of that buffer, kept from batch to batch. What is moved:
 found in dicts, lists and tuples (their exact types; anything else is pickled as it is,
 with what it holds), when they come to :data:`MIN_BYTES` or more in all. Each comes out
 with its dtype, shape and values, writable; an array the batch holds twice comes out as
-one array held twice, as pickle keeps it. Tensors ``default_collate`` builds in a worker
-already lie in shared memory and are left as they are.
+one array held twice, as pickle keeps it. Tensors already in shared memory are left as
+they are. ``default_collate`` itself (the per-item path of a ``transform``) would stack
+each tensor of the batch into a new shared-memory segment; here it runs by its own rules
+with the tensors stacked in plain memory, and the batch is handed over as above.
 
 The buffer stays busy while the consumer holds any array or tensor of the batch, or any
 view of one. A worker whose buffers are all busy (a consumer that keeps its batches)
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from .batches import Pool, count
 
@@ -153,16 +156,34 @@ def hand_over(batch: Any, pool: Pool) -> Any:
     return pool.hand_over(slot, buf, _built, (skeleton, specs))
 
 
+def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``default_collate``'s rule for tensors, stacked in plain memory (in a worker it
+    stacks into a new shared-memory segment; :func:`hand_over` moves it into the pool)."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:  # (its errors)
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return torch.stack(batch, 0)
+
+
+# default_collate's rules, tensors stacked by _stack (the arrays and numbers it makes
+# tensors of go through it too).
+_PLAIN = {**default_collate_fn_map, torch.Tensor: _stack}
+
+
 class HandedOver:
     """The user's ``collate_fn`` (``fn``), its batches handed over in the worker's pooled
     buffers when it runs in a DataLoader worker of a dataset that has them (a
-    ``StreamingDataset`` or a mix); elsewhere ``fn``'s batches as they are."""
+    ``StreamingDataset`` or a mix); elsewhere ``fn``'s batches as they are.
+    ``default_collate`` there collates by its own rules into plain memory first."""
 
     def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
         self.fn = fn
 
     def __call__(self, items: list[Any]) -> Any:
-        batch = self.fn(items)
         info = get_worker_info()
         pool = None if info is None else getattr(info.dataset, "worker_pool", None)
-        return batch if pool is None else hand_over(batch, pool())
+        if pool is None:
+            return self.fn(items)
+        if self.fn is default_collate:
+            return hand_over(collate(items, collate_fn_map=_PLAIN), pool())
+        return hand_over(self.fn(items), pool())

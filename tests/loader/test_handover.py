@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing  # (registers torch's reductions with the pickler)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from asynccache import CacheDataLoader, StreamingDataset
 from asynccache.torch import batches
@@ -266,3 +266,46 @@ def test_batches_held_through_the_epochs_keep_their_values(ragged):
     for k, (a, b) in enumerate(zip(held, expected(order), strict=True)):
         same(a, b, f"batch {k}")
     assert ds.batch_stats()["unpooled_buffers"] > 0, "the pools ran out of free slots"
+
+
+# -- a transform: default_collate's batches --------------------------------------------------
+class Images(Dataset[Any]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Any:
+        pixels = np.random.default_rng(i).integers(
+            0, 256, (32, 32, 3), np.uint8
+        )  # a short batch of 26: 78 KiB
+        return {"image": pixels, "label": i, "name": f"img-{i}", "w": np.float32(i / 3)}
+
+
+def darken(item: dict[str, Any]) -> dict[str, Any]:
+    """A per-item transform (module level: spawn pickles it)."""
+    return {**item, "image": item["image"] // 2}
+
+
+def default_by_another_name(items: list[Any]) -> Any:
+    """torch's default_collate, which in a worker stacks into new shared memory."""
+    return default_collate(items)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_transforms_batches_are_what_default_collate_makes(tmp_path, context):
+    list(CacheDataLoader(Images(), cache_dir=tmp_path, chunk_size=CHUNK, batch_size=10))
+
+    def run(**kw: Any) -> tuple[list[Any], StreamingDataset]:
+        ds = StreamingDataset(tmp_path, shuffle=True, seed=2, transform=darken)
+        dl = CacheDataLoader(
+            ds, batch_size=32, num_workers=2, multiprocessing_context=context, **kw
+        )
+        return [b for b in dl], ds
+
+    got, ds = run()
+    ref, ref_ds = run(collate_fn=default_by_another_name)
+    assert len(got) == len(ref) == -(-N // 32)
+    for k, (a, b) in enumerate(zip(got, ref, strict=True)):
+        same(a, b, f"batch {k}")
+        assert b["image"].is_shared() and not a["image"].is_shared(), "pooled, not a segment"
+    assert ds.batch_stats()["pooled_buffers"] >= 1
+    assert ref_ds.batch_stats()["pooled_buffers"] == 0
