@@ -84,35 +84,61 @@ def _movable(x: Any) -> bool:
     return False
 
 
-def _strip(node: Any, moved: list[Any], seen: dict[int, int]) -> Any:
+def _strip(node: Any, moved: list[Any], seen: dict[int, Any]) -> Any:
     """``node`` with each movable array replaced by a :class:`_Leaf` (appended to
-    ``moved``; one met again by the same leaf)."""
+    ``moved``). A container or array met again gives what it gave the first time, so the
+    skeleton keeps what the batch shares (and its cycles), as pickle would."""
     t = type(node)
-    if t is dict:
-        return {k: _strip(v, moved, seen) for k, v in node.items()}
-    if t is list:
-        return [_strip(v, moved, seen) for v in node]
-    if t is tuple:
-        return tuple(_strip(v, moved, seen) for v in node)
+    if t is dict or t is list or t is tuple:
+        got = seen.get(id(node))
+        if got is not None:
+            return got
+        if t is tuple:  # (a cycle through a tuple passes a list or a dict, met first)
+            out_t = tuple(_strip(v, moved, seen) for v in node)
+            seen[id(node)] = out_t
+            return out_t
+        if t is dict:
+            out_d: dict[Any, Any] = {}
+            seen[id(node)] = out_d
+            for k, v in node.items():
+                out_d[k] = _strip(v, moved, seen)
+            return out_d
+        out_l: list[Any] = []
+        seen[id(node)] = out_l
+        out_l.extend(_strip(v, moved, seen) for v in node)
+        return out_l
     if _movable(node):
-        k = seen.get(id(node))
-        if k is None:
-            k = seen[id(node)] = len(moved)
+        leaf = seen.get(id(node))
+        if leaf is None:
+            leaf = seen[id(node)] = _Leaf(len(moved))
             moved.append(node)
-        return _Leaf(k)
+        return leaf
     return node
 
 
-def _fill(node: Any, arrays: list[Any]) -> Any:
+def _fill(node: Any, arrays: list[Any], memo: dict[int, Any]) -> Any:
+    """The batch of skeleton ``node``, its leaves ``arrays`` (shared parts shared)."""
     t = type(node)
     if t is _Leaf:
         return arrays[node.k]
-    if t is dict:
-        return {k: _fill(v, arrays) for k, v in node.items()}
-    if t is list:
-        return [_fill(v, arrays) for v in node]
-    if t is tuple:
-        return tuple(_fill(v, arrays) for v in node)
+    if t is dict or t is list or t is tuple:
+        got = memo.get(id(node))
+        if got is not None:
+            return got
+        if t is tuple:
+            out_t = tuple(_fill(v, arrays, memo) for v in node)
+            memo[id(node)] = out_t
+            return out_t
+        if t is dict:
+            out_d: dict[Any, Any] = {}
+            memo[id(node)] = out_d
+            for k, v in node.items():
+                out_d[k] = _fill(v, arrays, memo)
+            return out_d
+        out_l: list[Any] = []
+        memo[id(node)] = out_l
+        out_l.extend(_fill(v, arrays, memo) for v in node)
+        return out_l
     return node
 
 
@@ -126,7 +152,7 @@ def _built(base: torch.Tensor, skeleton: Any, specs: list[tuple[int, int, Any, A
             arrays.append(base[off : off + nbytes].view(dtype).view(shape))
         else:
             arrays.append(mem[off : off + nbytes].view(dtype).reshape(shape))
-    return _fill(skeleton, arrays)
+    return _fill(skeleton, arrays, {})
 
 
 def hand_over(batch: Any, pool: Pool) -> Any:

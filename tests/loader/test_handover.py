@@ -121,6 +121,18 @@ def test_every_array_arrives_as_it_was_sent():
     assert w.busy() == 0, "the slot frees when the batch is dropped"
 
 
+def test_what_the_batch_shares_it_shares_in_the_consumer():
+    w = Worker()
+    inner = [np.arange(20_000, dtype=np.int64), "x"]
+    loop: list[Any] = [np.arange(5)]
+    loop.append(loop)  # a cycle: pickle keeps it, so does the hand-over
+    got = w.send({"twice": [inner, inner], "loop": loop, "t": (inner,)})
+    assert w.counters()["pooled_buffers"] == 1, "moved"
+    assert got["twice"][0] is got["twice"][1] is got["t"][0]
+    assert np.array_equal(got["twice"][0][0], inner[0]) and got["twice"][0][1] == "x"
+    assert got["loop"][1] is got["loop"] and np.array_equal(got["loop"][0], np.arange(5))
+
+
 def test_a_view_holds_the_buffer_and_its_end_frees_it():
     w = Worker()
     got = w.send({"x": [np.arange(30_000, dtype=np.int32)], "t": torch.arange(20_000)})
