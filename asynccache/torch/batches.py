@@ -30,19 +30,32 @@ received) are reclaimed by the next worker process on that row.
 same time (two ``CacheDataLoader`` objects over it, zipped; a persistent loader's idle
 workers beside a new loader's) have workers with the same ids. A worker claims a row when
 it makes its pool: its preferred row (its worker id) if no other live process owns it,
-else the next row that none does; the owner's pid is kept in the row. Claims are not
-atomic: two workers starting at the same moment can both write the same row's owner, and
-the last write wins. So before it hands a batch over, a worker checks that the row is
-still its own, with the batch's mark already written in its cell; one that lost the row
-claims another and starts a fresh set of buffers there (the consumer may still hold
-batches in its old ones, whose cells keep their marks). More live worker processes than
-rows raise :class:`~asynccache.errors.ConfigError`.
+else the next row that none does; the owner's pid is kept in the row. On Linux the claim
+also takes the row's lock, a Unix socket bound to the row's name in the abstract
+namespace: one live process at a time holds it, and it goes with the process. Elsewhere
+claims are not atomic: two workers starting at the same moment can both write the same
+row's owner, and the last write wins. So before it hands a batch over, a worker checks
+that the row is still its own, with the batch's mark already written in its cell; one
+that lost the row claims another and starts a fresh set of buffers there (the consumer may
+still hold batches in its old ones, whose cells keep their marks). More live worker
+processes than rows raise :class:`~asynccache.errors.ConfigError`.
+
+**Buffers outlive their worker.** The consumer keeps each buffer mapped after the worker
+that made it is gone (the workers of a loader without ``persistent_workers`` end with
+each epoch). A worker forked from the consumer inherits those mappings; holding its row's
+lock, it writes its batches into the buffers the row's earlier owner left, each that is
+free and mapped under the id the consumer acknowledged. So an epoch's new workers find
+their buffers' pages in memory and send no storage; a buffer whose cell is still marked
+(a batch the consumer holds, or one sent and never received) is left alone.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
+import socket
+import sys
 import weakref
 from typing import Any
 
@@ -58,7 +71,14 @@ POOL_SLOTS = 8  # pooled buffers per worker, at most
 POOL_BYTES = 256 << 20  # ... and no more than about this much (at least 2 buffers)
 ROWS = 256  # worker rows (worker id mod ROWS - 1; the last row: the main process)
 MAIN_ROW = ROWS - 1
-COUNTERS = ("assembled", "collated", "pooled_buffers", "unpooled_buffers", "sent_buffers")
+COUNTERS = (
+    "assembled",
+    "collated",
+    "pooled_buffers",
+    "unpooled_buffers",
+    "sent_buffers",
+    "adopted_buffers",
+)
 _ACK = POOL_SLOTS  # columns [_ACK, _ACK + POOL_SLOTS): the buffer the consumer has mapped
 _COUNT = 2 * POOL_SLOTS
 _OWNER = _COUNT + len(COUNTERS)  # the pid of the process whose pool holds the row
@@ -159,6 +179,22 @@ def _wrapped(base: torch.Tensor, form: Form, n: int, objects: list[Any] | None) 
     return wrap(form, base, n, objects)
 
 
+def _row_lock(token: str, row: int) -> tuple[bool, socket.socket | None]:
+    """Whether this process may hold ``row`` of the block ``token``, and the lock that
+    says so: a Unix socket bound to a name in the abstract namespace, which one process
+    at a time can hold and which goes with the process (no file left behind). Off Linux:
+    (True, None), no lock."""
+    if not sys.platform.startswith("linux"):
+        return True, None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(f"\0asynccache-rows-{token}-{row}")
+    except OSError:  # another live process holds the row
+        sock.close()
+        return False, None
+    return True, sock
+
+
 class Pooled:
     """A batch in a pooled buffer, as a worker hands it over: unpickles as the batch."""
 
@@ -184,20 +220,32 @@ class Pool:
         # gets a storage of its own over its buffer (the pool holds the buffer, not that
         # storage, so the storage's end is the consumer letting go).
         self.here = here
-        self._seq = itertools.count(1)
+        # Ids and marks start at a random point: a pool made again in this process, or in
+        # a later process given the same pid, never repeats an id the consumer knows.
+        self._seq = itertools.count(secrets.randbits(32))
         self._claim(row % ROWS)
 
     def _claim(self, preferred: int, lost: int = -1) -> None:
         """Hold ``preferred`` row, or the first after it that no other live process owns
-        (not ``lost``, a row just lost to another process), with a fresh set of buffers."""
+        (not ``lost``, a row just lost to another process), with a fresh set of buffers,
+        or those the consumer keeps mapped from the row's earlier owner (:meth:`_adopt`)."""
         owners = table(self.block)[:, _OWNER]
         pid = os.getpid()
         # (The consumer keeps its own row: each process iterating has a block of its own.)
         order = [preferred] if self.here else [(preferred + k) % MAIN_ROW for k in range(MAIN_ROW)]
+        old = getattr(self, "_lock", None)
+        if old is not None:
+            old.close()
+        self._lock: socket.socket | None = None
         for r in order:
             owner = int(owners[r])
-            if r != lost and (owner in (0, pid) or not pid_alive(owner)):
+            if r == lost or (owner not in (0, pid) and pid_alive(owner)):
+                continue
+            locked, self._lock = (True, None) if self.here else _row_lock(self.token, r)
+            if locked or owner == pid:
                 owners[r] = pid
+                if self._lock is not None:
+                    weakref.finalize(self, self._lock.close)
                 break
         else:
             raise ConfigError(
@@ -211,9 +259,27 @@ class Pool:
         self.buffers: dict[int, torch.Tensor] = {}
         self.ids: dict[int, int] = {}
         self.memory: dict[int, np.ndarray] = {}
+        if self._lock is not None:
+            self._adopt()
         for k, mark in enumerate(self.cells.tolist()):
             if mark and (mark >> 32 == pid or not pid_alive(mark >> 32)):
-                self.cells[k] = 0  # left by a dead process (or this pid's previous life)
+                # Left by a dead process (or this pid's previous life): the consumer may
+                # still hold that batch, so its buffer is never adopted (its id is no
+                # longer the acknowledged one); this pool makes a fresh one for the slot.
+                self.cells[k] = 0
+                self.acks[k] = 0
+
+    def _adopt(self) -> None:
+        """Write into the buffers the consumer keeps mapped from this row's earlier owner
+        (a worker of an earlier epoch; this process inherited the consumer's mappings when
+        it was forked), their pages already in memory: each one whose cell is free (the
+        consumer holds nothing of it and no batch in it is on its way) and that the
+        consumer mapped under the id it acknowledged. Only the holder of the row's lock
+        adopts: two processes never write one buffer."""
+        for (row, k), (buffer_id, mem) in _MAPS.get(self.token, {}).items():
+            if row == self.row and int(self.cells[k]) == 0 and int(self.acks[k]) == buffer_id:
+                self.buffers[k], self.ids[k] = torch.from_numpy(mem), buffer_id
+                count(self.block, self.row, "adopted_buffers")
 
     def _owned(self) -> bool:
         return int(table(self.block)[self.row, _OWNER]) == os.getpid()

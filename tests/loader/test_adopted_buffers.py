@@ -1,0 +1,153 @@
+"""Buffers outlive their worker (:mod:`asynccache.torch.batches`): a worker forked for a
+new epoch writes into the buffers the consumer keeps mapped from the row's earlier owner,
+never one the consumer still holds a batch in, and only the holder of the row's lock does.
+
+Three levels: the adoption in one process (a pool made again on the same row, the
+consumer's side in the same process), with a property over sends, holds, drops and new
+pools; the row lock against a second process; and ``CacheDataLoader`` without persistent
+workers over several epochs, under fork (adopted) and spawn (nothing to adopt).
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import secrets
+import sys
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing  # (registers torch's reductions with the pickler)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asynccache import CacheDataLoader, StreamingDataset
+from asynccache.read.batchread import Form, Leaf
+from asynccache.torch import batches
+from tests.loader.test_batch import Fixed, N, per_item, same, write
+
+ROW = 5
+ROW_BYTES = 64 << 10
+FORM = Form(("leaf", 0), (Leaf("a", "|u1", (ROW_BYTES,)),))
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the row lock is Linux's")
+
+
+class Consumer:
+    """A dataset's busy block, and pools on one row of it made one after another (each
+    one an epoch's worker), received in this same process."""
+
+    def __init__(self) -> None:
+        self.block = batches.shared_bytes(batches.BLOCK_BYTES)
+        self.token = secrets.token_hex(8)
+        batches.register(self.token, self.block)
+        self.pool: batches.Pool | None = batches.Pool(self.block, self.token, ROW)
+
+    def new_worker(self) -> None:
+        self.pool = None  # the earlier one ends (its lock with it)
+        self.pool = batches.Pool(self.block, self.token, ROW)
+
+    def send(self, value: int) -> torch.Tensor:
+        assert self.pool is not None
+        slot, buf = self.pool.take(FORM.regions(1)[1])
+        buf.numpy()[:ROW_BYTES] = value
+        return ForkingPickler.loads(ForkingPickler.dumps(self.pool.send(FORM, 1, slot, buf)))
+
+    def counters(self) -> dict[str, int]:
+        return batches.counters(self.block)
+
+
+@linux
+def test_a_new_pool_writes_into_the_free_buffers_and_leaves_the_held_one():
+    c = Consumer()
+    held = c.send(1)
+    dropped = c.send(2)
+    del dropped
+    c.new_worker()
+    assert c.counters()["adopted_buffers"] == 1, "the free buffer, not the held one"
+    again = [c.send(v) for v in (3, 4, 5)]
+    assert torch.all(held == 1), "the held batch is never written over"
+    assert [int(b[0, 0]) for b in again] == [3, 4, 5]
+    assert c.counters()["sent_buffers"] == 2 + 2, "the adopted one is not sent again"
+
+
+@linux
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["send", "drop", "new_worker"]), min_size=1, max_size=40))
+def test_no_held_batch_changes_whatever_the_pools_adopt(ops):
+    c = Consumer()
+    held: list[tuple[torch.Tensor, int]] = []
+    value = 0
+    for op in ops:
+        if op == "send":
+            value = value % 250 + 1
+            held.append((c.send(value), value))
+        elif op == "drop" and held:
+            held.pop(0)
+        elif op == "new_worker":
+            c.new_worker()
+        for batch, v in held:
+            assert torch.all(batch == v)
+
+
+def _claim_in_child(block: torch.Tensor, token: str, out: Any) -> None:
+    batches.table(block)[ROW, batches._OWNER] = 0  # as if the holder had not written it yet
+    out.put(batches.Pool(block, token, ROW).row)
+
+
+@linux
+def test_a_row_whose_lock_is_held_is_not_claimed_even_when_its_owner_looks_free():
+    """The owner column is written after the claim: a second process that reads it in
+    between sees the row free. The lock is what keeps it out."""
+    c = Consumer()
+    ctx = mp.get_context("fork")
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=_claim_in_child, args=(c.block, c.token, q))
+    p.start()
+    row = q.get()
+    p.join(timeout=60)
+    assert p.exitcode == 0 and row == ROW + 1
+    assert c.pool is not None and c.pool.row == ROW
+
+
+# -- through the loader ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(tmp_path_factory.mktemp("fixed"), Fixed(N))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_each_epochs_new_workers_reuse_the_buffers(fixed, context):
+    """Without persistent workers, four epochs: from the second on, the workers forked for
+    it write into the buffers the earlier workers left, and send no storage; a batch the
+    consumer holds through the epochs keeps its values. Spawned workers inherit no
+    mapping: fresh buffers every epoch, as before."""
+
+    def run(**kw: Any) -> tuple[list[Any], StreamingDataset]:
+        ds = StreamingDataset(fixed, shuffle=True, seed=7)
+        dl = CacheDataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context, **kw)
+        return [b for _ in range(4) for b in dl], ds
+
+    held_first = None
+    ds = StreamingDataset(fixed, shuffle=True, seed=7)
+    dl = CacheDataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context)
+    got, sent = [], []
+    for _ in range(4):
+        for b in dl:
+            got.append(copy.deepcopy(b))  # (a copy: the batch itself is dropped)
+            if held_first is None:
+                held_first = b  # held through every epoch
+        sent.append(ds.batch_stats()["sent_buffers"])
+    ref, _ = run(collate_fn=per_item)
+    for a, b in zip(got, ref, strict=True):
+        same(a, b)
+    assert held_first is not None
+    same(held_first, ref[0])
+    stats = ds.batch_stats()
+    if context == "fork":
+        assert stats["adopted_buffers"] > 0
+        assert sent[1] == sent[2] == sent[3], "no storage sent after the first epoch"
+    else:
+        assert stats["adopted_buffers"] == 0 and sent[3] > sent[0]
