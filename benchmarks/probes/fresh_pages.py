@@ -10,11 +10,16 @@ in a fresh process:
 * ``write``: writing ``--mib`` MiB into a new file (the page cache), right after ``--churn``
   MiB of anonymous memory was touched and freed (and ``--sleep`` s waited), against
   without;
+* ``refill``: writing ``--mib`` MiB into a new file, removing it, waiting each of
+  ``--waits`` seconds, and timing the same write again (which takes the pages just freed,
+  unless the kernel has reported them to the host meanwhile: free page reporting,
+  ``limits.free_page_reporting``);
 * ``cold``: one cold epoch of ``--mib`` MiB of 100 KiB arrays from the local S3 server,
   2 workers, after the same churn and without (what a loader that caches chunks on disk
   pays: every downloaded byte lands in fresh page-cache pages).
 
     python benchmarks/probes/fresh_pages.py [--mib 512] [--churn 1024] [--sleep 1] [--rounds 2]
+        [--waits 0,5,0.5,3] [--refill-only]
 """
 
 from __future__ import annotations
@@ -78,6 +83,28 @@ def write(mib: int, churn_mib: int, sleep_s: float, where: str, out: mp.Queue) -
     os.unlink(os.path.join(where, "fresh.bin"))
 
 
+def refill(mib: int, waits: list[float], where: str, out: mp.Queue) -> None:
+    block = np.random.default_rng(0).bytes(MIB)
+    path = os.path.join(where, "refill.bin")
+
+    def once() -> tuple[float, float]:
+        sys0, t = resource.getrusage(resource.RUSAGE_SELF).ru_stime, time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(mib):
+                f.write(block)
+        return time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0
+
+    got = []
+    for w in waits:
+        once()
+        os.sync()  # clean pages, as a published chunk's become
+        os.unlink(path)
+        time.sleep(w)
+        got.append((w, *once()))
+        os.unlink(path)
+    out.put(got)
+
+
 def cold(
     url: str, options: dict, cache: str, churn_mib: int, sleep_s: float, out: mp.Queue
 ) -> None:
@@ -117,8 +144,22 @@ def main() -> None:
     ap.add_argument("--churn", type=int, default=1024)
     ap.add_argument("--sleep", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--waits", default="0,5,0.5,3,0,10")
+    ap.add_argument("--refill-only", action="store_true")
     args = ap.parse_args()
+    import limits
     from shapes import item_array
+
+    print(limits.free_page_reporting() or "no free page reporting")
+    with tempfile.TemporaryDirectory(prefix="fresh-pages-") as where:
+        waits = [float(w) for w in args.waits.split(",")]
+        for w, s, sys_s in run(refill, args.mib, waits, where):
+            print(
+                f"refill: {args.mib} MiB into a new file {w:g} s after the same was freed: "
+                f"{s:.2f} s ({sys_s:.2f} s system)"
+            )
+    if args.refill_only:
+        return
 
     from asynccache import Settings
     from asynccache.optimize import optimize
