@@ -39,6 +39,9 @@ _LOOKAHEAD = 8192  # positions scanned at a time when looking for the next chunk
 # built in the main process wait on the network, not on the CPU, and the DataLoader's
 # workers are started beside them at once (see workers.led).
 _FAR_TTFB_S = 0.02
+# Lead batches of this many bytes or more, all in cached chunks, take longer to copy than
+# the workers' forks (10-30 ms each): those fork first (docs/streaming.md).
+_FORK_FIRST_BYTES = 32 << 20
 
 
 def reader_place(
@@ -519,6 +522,17 @@ class StreamingDataset(EpochDataset):
     def _release_lead(self, chunks: list[int]) -> None:
         for ci in chunks:
             self.reader.release(ci)
+
+    def _lead_landed(self, runs: list[np.ndarray]) -> bool:
+        keys = np.concatenate(runs)
+        if self.unit_reader.blocks is not None:
+            return False  # (token blocks: their lead is a few small blocks)
+        chunks = self.index.locate_many(keys)[0]
+        idx = self.index
+        mean = idx.bytes_per_chunk[chunks] / np.maximum(idx.items_per_chunk[chunks], 1)
+        if float(mean.sum()) < _FORK_FIRST_BYTES:
+            return False  # built sooner than the forks take
+        return self.unit_reader.all_landed(keys)
 
     def _far_link(self) -> bool:
         """This process has measured a first byte of this dataset's storage at

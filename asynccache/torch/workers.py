@@ -118,11 +118,13 @@ def led_forking(first: FirstBatches, loader: DataLoader[Any]) -> Iterator[Any]:
     would a child forked while a :class:`~asynccache.torch.Fetcher`'s step runs beside
     the thread that iterates (its step waits for that first batch). Where the link is
     known to be far, the workers fork before the batches are built, so that their chunk
-    GETs are under way meanwhile. The order of batches and the states taken between them
-    are those of an epoch whose workers made every batch."""
+    GETs are under way meanwhile; so do they where the batches are a long copy of cached
+    chunks (32 MiB or more: the workers' own first batches follow sooner). The order of
+    batches and the states taken between them are those of an epoch whose workers made
+    every batch."""
     it: Iterator[Any] | None = None
     try:
-        if first.far_link():
+        if first.workers_first():
             it = iter(loader)  # forks the workers
         ready = first.build_all()
         if it is None:

@@ -225,3 +225,30 @@ def test_workers_start_beside_the_first_batches_on_a_far_link(
         assert far.lead_stats.batches == 2
         assert proxy.link_fired("latency") > 0
         far.close()
+
+
+def test_workers_fork_first_when_the_lead_batches_copy_cached_chunks(
+    remote, objstore, tmp_path, monkeypatch
+) -> None:
+    """Lead batches read only from cached chunks and of ``_FORK_FIRST_BYTES`` or more are
+    a copy that takes longer than the forks: the workers fork first, and their own first
+    batches follow sooner. A cold lead (range reads on loopback) and a small one are built
+    first, as before."""
+    from asynccache.torch import streaming
+
+    ds = StreamingDataset(
+        remote,
+        cache_dir=tmp_path / "c",
+        storage_options=objstore.storage_options,
+        settings=Settings.from_env(progress=False),
+    )
+    lead_bytes = 2 * BS * ITEM  # two batches of this dataset's items
+    monkeypatch.setattr(streaming, "_FORK_FIRST_BYTES", lead_bytes)
+    assert _start_order(ds, monkeypatch) == ["built", "built", "workers"]  # cold
+    assert _start_order(ds, monkeypatch) == ["workers", "built", "built"]  # every chunk cached
+    assert ds.lead_stats.batches == 4
+    # The same cached lead under a bound twice its size (the lead's bytes are estimated
+    # as each chunk's bytes over its items, headers included): built first.
+    monkeypatch.setattr(streaming, "_FORK_FIRST_BYTES", 2 * lead_bytes)
+    assert _start_order(ds, monkeypatch) == ["built", "built", "workers"]
+    ds.close()
