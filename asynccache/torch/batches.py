@@ -64,7 +64,7 @@ import torch
 
 from ..bridge.lifeline import pid_alive
 from ..errors import ConfigError
-from ..format.memory import fresh_bytes
+from ..format.memory import fresh_bytes, populate
 from ..read.batchread import OBJECT_KINDS, Form
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
@@ -259,6 +259,7 @@ class Pool:
         self.buffers: dict[int, torch.Tensor] = {}
         self.ids: dict[int, int] = {}
         self.memory: dict[int, np.ndarray] = {}
+        self.inherited: set[int] = set()  # adopted slots not yet written in this process
         if self._lock is not None:
             self._adopt()
         for k, mark in enumerate(self.cells.tolist()):
@@ -279,6 +280,7 @@ class Pool:
         for (row, k), (buffer_id, mem) in _MAPS.get(self.token, {}).items():
             if row == self.row and int(self.cells[k]) == 0 and int(self.acks[k]) == buffer_id:
                 self.buffers[k], self.ids[k] = torch.from_numpy(mem), buffer_id
+                self.inherited.add(k)
                 count(self.block, self.row, "adopted_buffers")
 
     def _owned(self) -> bool:
@@ -315,6 +317,11 @@ class Pool:
                     count(self.block, self.row, "pooled_buffers")
                 buf = self.buffers[k] = shared_bytes(nbytes)
                 self.ids[k] = self._id()
+            elif k in self.inherited:
+                # Its pages exist, but not in this process's page tables: mapped in one
+                # call, not a fault per page as the batch is written (format/memory.py).
+                populate(buf[:nbytes].numpy())
+            self.inherited.discard(k)
             return k, buf
         return None
 

@@ -74,6 +74,23 @@ def test_a_new_pool_writes_into_the_free_buffers_and_leaves_the_held_one():
 
 
 @linux
+def test_an_adopted_buffer_is_populated_once_before_its_first_write(monkeypatch):
+    """Its pages are not in the new worker's page tables: mapped in one call
+    (``format.memory.populate``) the first time the worker takes it, not again."""
+    calls: list[int] = []
+    monkeypatch.setattr(batches, "populate", lambda a: calls.append(a.nbytes) or True)
+    c = Consumer()
+    c.send(1)  # a fresh buffer: written where it was made, nothing to populate
+    assert calls == []
+    c.new_worker()
+    assert c.pool is not None and c.pool.inherited == {0}
+    c.send(2)
+    assert calls == [ROW_BYTES] and not c.pool.inherited
+    c.send(3)
+    assert calls == [ROW_BYTES], "populated once"
+
+
+@linux
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from(["send", "drop", "new_worker"]), min_size=1, max_size=40))
 def test_no_held_batch_changes_whatever_the_pools_adopt(ops):
