@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -60,6 +61,12 @@ from .readplan import (
 # Chunks hinted past the prefetch window: not fetched yet, but their temporary files are
 # made ahead, so their downloads start without a reservation (Downloader._make_ahead).
 HINT_PAST = 1
+
+# A chunk downloaded for a reader may be evicted by another process before the reader
+# pins it (the node's readers at different points of the epoch disagree on what is still
+# needed): it is fetched again, after a short, growing pause, for this long at most.
+_PIN_RETRY_S = 5.0
+_PIN_PAUSE_S = (0.002, 0.1)  # the first pause, the longest
 
 
 def is_remote(url: str) -> bool:
@@ -330,7 +337,11 @@ class DatasetSource:
                 with self._mu:
                     conn.pinned[spec.name] += 1
                 return path
-        for _ in range(8):  # a pin can lose a race with another process's evictor: refetch
+        # A pin can lose a race with another process's evictor: fetched again, pausing a
+        # little longer each time, until _PIN_RETRY_S has passed.
+        deadline = time.monotonic() + _PIN_RETRY_S
+        pause, longest = _PIN_PAUSE_S
+        while True:
             # Bounded by progress: a slow but live download is waited for, a stuck one is
             # not; giving up (or an interrupt) cancels the download nobody else wants.
             # Early: answered once verified, while the publish (its fsync) goes on; the
@@ -341,6 +352,10 @@ class DatasetSource:
                 with self._mu:
                     conn.pinned[spec.name] += 1
                 return path
+            if time.monotonic() + pause > deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, longest)
         raise TransientError(
             f"{self.url}/{entry.filename}: evicted again right after "
             "download; ASYNCCACHE_MAX_CACHE_BYTES is too small",
