@@ -1460,8 +1460,8 @@ def report_matrix(
         f"cores; load {load_before} before, {limits.loadavg()} after; tree {tree_commit()}"
     )
     print(limits.versions("asynccache", "litdata", "mosaicml-streaming", "torch", "numpy"))
-    if limits.free_page_reporting():
-        print(limits.free_page_reporting())
+    if reporting := limits.free_page_reporting():
+        print(reporting)
     print(
         "\n| shape | items | library | path | cold ÷ (iv) | shuffled cold ÷ (iv) | warm ÷ (iii) "
         "| shuffled warm ÷ (iii) | first batch s, cold / shuffled / warm "
@@ -1603,8 +1603,8 @@ def header(args: argparse.Namespace, s: Setup, date: str, load_before: str) -> N
     if s.budget is not None:
         print(f"each library's cache limit: {s.budget / MIB:,.0f} MiB")
     print(f"tree {tree_commit()}; workers forked")
-    if limits.free_page_reporting():
-        print(limits.free_page_reporting())
+    if reporting := limits.free_page_reporting():
+        print(reporting)
     print(
         limits.versions(
             "asynccache",

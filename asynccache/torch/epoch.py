@@ -435,7 +435,7 @@ class EpochDataset(IterableDataset[Any]):
             runs,
             self.settings.worker_start_s,
             far_link=self._far_link,
-            landed=self._lead_landed(runs),
+            long_copy=self._lead_long_copy(runs),
             expect=lambda: self._lead_expect(runs),
             build=self._lead_batch,
             stop_head=self._head_stop,
@@ -790,7 +790,7 @@ class EpochDataset(IterableDataset[Any]):
         """The main process measured the link as far: start the workers at once."""
         return False
 
-    def _lead_landed(self, runs: list[np.ndarray]) -> bool:
+    def _lead_long_copy(self, runs: list[np.ndarray]) -> bool:
         """The lead batches ``runs`` read only cached chunks and are large enough that
         copying them takes longer than forking the workers: those fork first."""
         return False

@@ -243,7 +243,7 @@ class FirstBatches:
     runs: list[np.ndarray]
     worker_start_s: float
     far_link: Callable[[], bool]
-    landed: bool  # the batches are a long copy of cached chunks (or of a local dataset's)
+    long_copy: bool  # the batches are a long copy of cached chunks (or of a local dataset's)
     expect: Callable[[], None]
     build: Callable[[np.ndarray], Any]
     stop_head: Callable[[], None]
@@ -253,7 +253,7 @@ class FirstBatches:
         """Fork the workers before building: the batches wait on the network (a far
         link), or are a long copy of cached chunks, which the workers' own first batches
         would otherwise wait on (docs/streaming.md, *The workers' start*)."""
-        return self.landed or self.far_link()
+        return self.long_copy or self.far_link()
 
     def build_all(self) -> list[Any]:
         """Every batch, built now (their items' range reads in one round)."""

@@ -523,12 +523,12 @@ class StreamingDataset(EpochDataset):
         for ci in chunks:
             self.reader.release(ci)
 
-    def _lead_landed(self, runs: list[np.ndarray]) -> bool:
+    def _lead_long_copy(self, runs: list[np.ndarray]) -> bool:
         keys = np.concatenate(runs)
         if self.unit_reader.blocks is not None:
             return False  # (token blocks: their lead is a few small blocks)
-        chunks = self.index.locate_many(keys)[0]
         idx = self.index
+        chunks = idx.locate_many(keys)[0]
         mean = idx.bytes_per_chunk[chunks] / np.maximum(idx.items_per_chunk[chunks], 1)
         if float(mean.sum()) < _FORK_FIRST_BYTES:
             return False  # built sooner than the forks take
