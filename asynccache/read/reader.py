@@ -261,17 +261,22 @@ class Reader:
         )
 
     def fetches_no_chunk(
-        self, chunks: np.ndarray, positions: np.ndarray, *, small_tail: bool = False
+        self,
+        chunks: np.ndarray,
+        positions: np.ndarray,
+        *,
+        small_tail: bool = False,
+        whole: bool = False,
     ) -> bool:
         """Whether :meth:`expect` then reading items ``(chunks[i], positions[i])`` needs no
         chunk downloaded: each item's chunk is in the cache now, or the item is one
         :meth:`expect` would read by range. ``small_tail``: the index's last chunk may
         be downloaded whole when it is under 1 MiB (a writer's remainder, which comes
         whole about as soon as its items by range), provided some item is read by range
-        (the dataset is not one of small chunks only)."""
+        (the dataset is not one of small chunks only). ``whole``: as :meth:`expect`'s."""
         want: dict[int, list[int]] = {}
         if self._ranged is not None and self._early_left > 0 and not self._mapped_any:
-            want = self._early_plan(chunks, positions)
+            want = self._early_plan(chunks, positions, whole)
         last = self.index.num_chunks - 1
         tail = small_tail and int(self.index.bytes_per_chunk[last]) < _MIN_RANGE_CHUNK
         landed: dict[int, bool] = {}
@@ -284,8 +289,9 @@ class Reader:
                 return False
         return True
 
-    def expect(self, chunks: np.ndarray, positions: np.ndarray) -> None:
-        """Items ``(chunks[i], positions[i])`` are read next, in this order.
+    def expect(self, chunks: np.ndarray, positions: np.ndarray, *, whole: bool = False) -> None:
+        """Items ``(chunks[i], positions[i])`` are read next, in this order (``whole``:
+        all of them before any is used, as one batch).
 
         At the start of an epoch, before this reader has mapped any chunk, the items
         whose chunk has not landed yet are fetched by HTTP Range into memory (their
@@ -304,7 +310,7 @@ class Reader:
         try:
             if self._early_left <= 0 or self._mapped_any:
                 return
-            want = self._early_plan(chunks, positions)
+            want = self._early_plan(chunks, positions, whole)
             if not want:
                 self._early_left = 0  # nothing to fetch now: none later either
                 return
@@ -316,8 +322,11 @@ class Reader:
         finally:
             self._ranged.send_hint()  # the epoch's prefetch, held back until now
 
-    def _early_plan(self, chunks: np.ndarray, positions: np.ndarray) -> dict[int, list[int]]:
-        """The positions to read by range, per chunk, within the byte budget."""
+    def _early_plan(
+        self, chunks: np.ndarray, positions: np.ndarray, whole: bool = False
+    ) -> dict[int, list[int]]:
+        """The positions to read by range, per chunk, within the byte budget; ``whole``
+        (the items are used together, as a batch): a chunk's items all or none."""
         assert self._ranged is not None
         with self._lock:
             skip = set(self._open) | set(self._early)
@@ -330,6 +339,7 @@ class Reader:
         left = self._early_left
         sizes = self.index.bytes_per_chunk
         counts = self.index.items_per_chunk
+        item_bytes = sizes // np.maximum(counts, 1)  # (the header says exactly)
         for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
             if ci in skip:
                 continue
@@ -341,10 +351,22 @@ class Reader:
                 )
             if landed[ci]:
                 continue
-            left -= int(sizes[ci]) // max(int(counts[ci]), 1)  # the header says exactly
-            if left < 0:
-                break
+            if not whole:  # items one by one: the first ones, while the budget lasts
+                left -= int(item_bytes[ci])
+                if left < 0:
+                    break
             want.setdefault(ci, []).append(pos)
+        if whole:
+            # A batch waits for its last item: a chunk's items by range are worth it only
+            # if none of them waits for that chunk (4 MiB items in order: two of a
+            # batch's fifteen in one chunk by range saved nothing, and made the batch a
+            # per-item one). All of a chunk's or none, in the order the items name them.
+            kept: dict[int, list[int]] = {}
+            for ci, ps in want.items():
+                cost = len(ps) * int(item_bytes[ci])
+                if cost <= left:
+                    kept[ci], left = ps, left - cost
+            want = kept
         # A chunk more than half of whose items would come by range is fetched whole
         # instead: about the same bytes, and it lands in the cache (items read by range
         # are not kept: a chunk read all by range would be read by range again the next

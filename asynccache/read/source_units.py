@@ -255,11 +255,16 @@ class SourceReader:
     def __len__(self) -> int:
         return self.index.total_items
 
-    def expect(self, chunks: np.ndarray, positions: np.ndarray) -> None:
+    def expect(self, chunks: np.ndarray, positions: np.ndarray, *, whole: bool = False) -> None:
         self.source.send_hint()  # the epoch's prefetch, held back until the first read
 
     def fetches_no_chunk(
-        self, chunks: np.ndarray, positions: np.ndarray, *, small_tail: bool = False
+        self,
+        chunks: np.ndarray,
+        positions: np.ndarray,
+        *,
+        small_tail: bool = False,
+        whole: bool = False,
     ) -> bool:
         return all(self.source.landed(c) for c in set(chunks.tolist()))
 
@@ -305,7 +310,7 @@ class SourceUnits(UnitReader):
         """As for chunks, but always "read otherwise": no mapped chunk holds these items
         in the chunk format, so a batch is never assembled from one."""
         chunks, positions = self.index.locate_many(keys)
-        self.reader.expect(chunks, positions)
+        self.reader.expect(chunks, positions, whole=True)
         return chunks, positions, True
 
     def chunk_forms(self, chunk: int) -> Any:

@@ -107,9 +107,10 @@ class UnitReader:
     def located(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
         """For item keys: each item's chunk and position in it, and whether any of them
         was read by range (a first batch over chunks not cached: no mapped chunk to
-        assemble from). The range reads of the first batch are sent here."""
+        assemble from). The range reads of the first batch are sent here (a chunk's items
+        all or none: the batch waits for its last item)."""
         chunks, positions = self.index.locate_many(keys)
-        self.reader.expect(chunks, positions)
+        self.reader.expect(chunks, positions, whole=True)
         by_range = any(self.reader.by_range(c) for c in dict.fromkeys(chunks.tolist()))
         return chunks, positions, by_range
 

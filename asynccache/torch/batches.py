@@ -78,6 +78,7 @@ COUNTERS = (
     "unpooled_buffers",
     "sent_buffers",
     "adopted_buffers",
+    "borrowed_buffers",
 )
 _ACK = POOL_SLOTS  # columns [_ACK, _ACK + POOL_SLOTS): the buffer the consumer has mapped
 _COUNT = 2 * POOL_SLOTS
@@ -283,6 +284,46 @@ class Pool:
                 self.inherited.add(k)
                 count(self.block, self.row, "adopted_buffers")
 
+    def borrow_idle(self, want: int) -> int:
+        """The consumer's own pool (``here``), before its workers fork: take over as many
+        buffers as it lacks for ``want`` batches from those it keeps mapped from worker
+        rows whose owner is gone (an earlier epoch's workers), largest first, each free
+        (the consumer holds nothing of it). A buffer taken leaves the row: no worker forked
+        later adopts it (that row makes a fresh one if it needs it). So the first batches
+        this process builds go into pages already in memory, not fresh ones (256 MiB of
+        fresh pages: 0.2 s of faults). The number taken."""
+        assert self.here, "only the consumer's pool borrows its idle buffers"
+        maps = _MAPS.get(self.token)
+        slots = max(2, POOL_SLOTS)
+        empty = [k for k in range(slots) if self.cells[k] == 0 and k not in self.memory]
+        have = sum(1 for k in range(slots) if self.cells[k] == 0 and k in self.memory)
+        need = min(want - have, len(empty))
+        if not maps or need <= 0:
+            return 0
+        cells = table(self.block)
+        owners: dict[int, bool] = {}
+
+        def gone(row: int) -> bool:
+            if row not in owners:
+                pid = int(cells[row, _OWNER])
+                owners[row] = pid == 0 or not pid_alive(pid)
+            return owners[row]
+
+        idle = [
+            (mem.size, key)
+            for key, (buffer_id, mem) in maps.items()
+            if key[0] != self.row
+            and int(cells[key[0], key[1]]) == 0
+            and int(cells[key[0], _ACK + key[1]]) == buffer_id
+            and gone(key[0])
+        ]
+        idle.sort(reverse=True)
+        for k, (_, key) in zip(empty[:need], idle, strict=False):
+            self.memory[k] = maps.pop(key)[1]
+            self.inherited.add(k)
+            count(self.block, self.row, "borrowed_buffers")
+        return min(need, len(idle))
+
     def _owned(self) -> bool:
         return int(table(self.block)[self.row, _OWNER]) == os.getpid()
 
@@ -310,6 +351,9 @@ class Pool:
                     if mem is None:
                         count(self.block, self.row, "pooled_buffers")
                     mem = self.memory[k] = fresh_bytes(nbytes)
+                elif k in self.inherited:  # (borrowed: the pages exist, as for adopted ones)
+                    populate(mem[:nbytes])
+                self.inherited.discard(k)
                 return k, torch.from_numpy(mem)
             buf = self.buffers.get(k)
             if buf is None or buf.numel() < nbytes:

@@ -431,6 +431,8 @@ class EpochDataset(IterableDataset[Any]):
         if runs is None:
             return None
         no = self._lead_no
+        # (Before the workers fork: a buffer borrowed now is never adopted by one of them.)
+        self._batch_pool(batches.MAIN_ROW, here=True).borrow_idle(len(runs))
         return FirstBatches(
             runs,
             self.settings.worker_start_s,

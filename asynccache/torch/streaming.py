@@ -509,7 +509,8 @@ class StreamingDataset(EpochDataset):
         # dataset fits the budget: this process follows no plan, and its reservation would
         # evict by recency (as for the head start).
         tail = self.source.remote and self.source.fits_cache()
-        if self.reader.fetches_no_chunk(*self.index.locate_many(keys), small_tail=tail):
+        located = self.index.locate_many(keys)
+        if self.reader.fetches_no_chunk(*located, small_tail=tail, whole=True):
             return True
         self.reader.set_range_budget(self.source.first_read_bytes)
         return False
@@ -517,7 +518,7 @@ class StreamingDataset(EpochDataset):
     def _lead_expect(self, runs: list[np.ndarray]) -> None:
         """Read every run's items not cached by range, in one round."""
         if self.unit_reader.blocks is None and len(runs) > 1:
-            self.reader.expect(*self.index.locate_many(np.concatenate(runs)))
+            self.reader.expect(*self.index.locate_many(np.concatenate(runs)), whole=True)
 
     def _release_lead(self, chunks: list[int]) -> None:
         for ci in chunks:

@@ -143,3 +143,46 @@ def test_a_loop_broken_after_its_first_items_fetches_nothing_to_check_them(
         it.close()  # the loop breaks while the first chunk is still held back
         assert not ds.source.landed(0)
         ds.close()
+
+
+def test_a_batch_reads_a_chunks_items_by_range_all_or_none(remote, objstore, tmp_path):
+    """Items one by one take the budget item by item; a batch waits for its last item,
+    so it reads a chunk's items by range only where all of them fit (else it would wait
+    for that chunk anyway)."""
+    ds = _dataset(remote, objstore.storage_options, tmp_path)
+    r, idx = ds.reader, ds.index
+    fit = EARLY // int(idx.bytes_per_chunk[0] // idx.items_per_chunk[0])  # items with headers
+    assert fit == 9
+    chunks, positions = np.zeros(16, np.int64), np.arange(16)
+    assert r._early_plan(chunks, positions) == {0: list(range(fit))}
+    assert r._early_plan(chunks, positions, whole=True) == {}
+    # Chunk 0's six fit, chunk 1's eight don't (6 + 8 > 9), chunk 2's three do.
+    chunks = np.array([0] * 6 + [1] * 8 + [2] * 3)
+    positions = np.array([*range(6), *range(8), *range(3)])
+    assert r._early_plan(chunks, positions, whole=True) == {0: list(range(6)), 2: [0, 1, 2]}
+    assert r._early_plan(chunks, positions) == {0: list(range(6)), 1: [0, 1, 2]}
+    ds.close()
+
+
+def test_a_first_batch_that_would_wait_for_its_chunk_is_assembled_from_it(
+    remote, written, objstore, tmp_path
+):
+    """16 items of the held-back first chunk, over the budget of 10: none is read by range,
+    and the batch is assembled from the chunk (not collated item by item)."""
+    from asynccache import CacheDataLoader
+
+    name, size, _ = _first_chunk(written)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=0.5))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _dataset(remote, options, tmp_path)
+        got = [(b["i"].clone(), b["x"].clone()) for b in CacheDataLoader(ds, batch_size=16)]
+        assert proxy.fired("slow") == 1
+        assert _range_gets(proxy, size) == [] and ds.source.stats.range_gets == 0
+        stats = ds.batch_stats()
+        assert stats["assembled"] == N // 16 and stats["collated"] == 0, stats
+        ds.close()
+    assert [k for i, _ in got for k in i.tolist()] == list(range(N))
+    for i, x in got:
+        for k, row in zip(i.tolist(), x, strict=True):
+            assert np.array_equal(row.numpy(), _item(k)["x"])

@@ -129,6 +129,33 @@ def test_a_row_whose_lock_is_held_is_not_claimed_even_when_its_owner_looks_free(
     assert c.pool is not None and c.pool.row == ROW
 
 
+@linux
+def test_the_consumers_lead_borrows_a_free_buffer_of_a_gone_worker_and_no_worker_adopts_it():
+    """The consumer's own pool, short of buffers for its first batches, takes the free
+    buffers it keeps mapped from rows whose owner is gone (never a held one, never one
+    of a live worker); a worker forked later on that row finds it gone and makes a new
+    one, so no two processes write one buffer."""
+    c = Consumer()
+    held = c.send(1)
+    dropped = c.send(2)
+    del dropped
+    main = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True)
+    assert main.borrow_idle(2) == 0, "the row's owner (this process) is alive"
+    c.pool = None
+    batches.table(c.block)[ROW, batches._OWNER] = 0  # the worker is gone
+    assert main.borrow_idle(2) == 1, "the free buffer, not the held one"
+    assert c.counters()["borrowed_buffers"] == 1 and main.inherited == {0}
+    assert main.borrow_idle(2) == 0, "nothing free is left to borrow"
+    slot, buf = main.take(ROW_BYTES)
+    assert slot == 0 and not main.inherited and main.memory[0].nbytes == ROW_BYTES
+    buf.numpy()[:] = 9  # the lead batch, written into the borrowed pages
+    c.new_worker()
+    assert c.counters()["adopted_buffers"] == 0, "borrowed: not adopted"
+    again = c.send(3)
+    assert torch.all(held == 1) and torch.all(again == 3) and bool((buf == 9).all())
+    assert c.counters()["sent_buffers"] == 3, "the worker made a new buffer for the slot"
+
+
 # -- through the loader ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
