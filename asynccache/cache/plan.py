@@ -189,9 +189,11 @@ class PlanPolicy:
 
         A slot from an epoch before this process's stands for a reader that has not
         started this epoch yet: it is taken to be at this epoch's start, as it will be when
-        it starts. (Ranks move together: a rank's new workers write their slots moments
-        after the other rank's. Read as it was, the slot would hold the last window of the
-        last epoch as "being read" and rank the chunks this epoch reads from positions
+        it starts (what it reads at that slot's position, where the slot is from the epoch
+        just before, is kept too: :meth:`_finishing`). (Ranks move together: a rank's new
+        workers write their slots moments after the other rank's. Read as it was, the slot
+        would hold the last window of the last epoch as "being read" and rank the chunks
+        this epoch reads from positions
         nobody stands at.) So is a slot from more than one epoch ahead (left by an earlier
         run of the same plan), a slot whose plan is unknown (a resumed variant that is not
         this process's), and a missing or torn one. A reader that died mid-epoch keeps its
@@ -251,11 +253,29 @@ class PlanPolicy:
                 later = np.where(again, np.inf, st.length - pos + first)
                 distance = np.minimum(distance, later)
                 opening |= nxt.opening(r)
-        current = distance == 0
+        current = (distance == 0) | self._finishing(got, n)
         held = current.copy()
         for epoch, read in read_in.items():
             held |= read & needed_in.get(epoch, np.zeros(n, dtype=bool))
         return _Table(distance, current, this_epoch, held, shared, opening & ~this_epoch)
+
+    def _finishing(self, got: Sequence[Position | None], n: int) -> np.ndarray:
+        """Per chunk, whether a reader whose slot is from the epoch before this process's
+        reads it now, there: it may still be finishing that epoch (a rank whose workers
+        end later than this one's), and the chunk it reads, or has just downloaded and not
+        yet pinned, is not to be the first to go. Only that; the rest of the slot reads as
+        the start of this epoch (see :meth:`_where`)."""
+        out = np.zeros(n, dtype=bool)
+        for r in range(min(self.readers, len(got))):
+            at = got[r]
+            if at is None or at[0] != self.epoch - 1:
+                continue
+            p = self.plans(at[0], at[1])
+            if p is None or r >= len(p.streams):
+                continue
+            st = p.streams[r]
+            out[st.chunks[(st.starts <= at[2]) & (st.ends > at[2])]] = True
+        return out
 
     def victims(self, own: Sequence[str], last_used: Mapping[str, float]) -> list[str]:
         """``own`` (this dataset's evictable chunk names) in the order to evict them."""

@@ -243,11 +243,16 @@ def test_a_stale_slot_of_the_last_epoch_reads_as_the_start_of_this_one():
         readers=2,
         positions=lambda: slots,
     )
-    # chunk 4: reader 1 read it last in epoch 0 (run [20, 30)); in epoch 1 it reads it at
-    # 20, after chunks 5 and 3: not held, ranked by its distance this epoch
+    # chunk 4: reader 1 reads it at 25 of epoch 0 (run [20, 30)), where it may still be
+    # (finishing that epoch, the chunk just downloaded and not pinned yet): held, with
+    # chunk 5, which it reads first in epoch 1 (the rest ranked from that start).
+    order = p.victims([f"chunk-0-{i}.bin" for i in (0, 3, 4, 5)], {})
+    assert order == ["chunk-0-0.bin", "chunk-0-3.bin", "chunk-0-4.bin", "chunk-0-5.bin"]
+    assert p.spare(["chunk-0-4.bin"]) == []  # still to be read this epoch
+    slots[1] = (0, 0, 30)  # at its epoch-0 end: nothing of that epoch kept
     order = p.victims([f"chunk-0-{i}.bin" for i in (0, 3, 4, 5)], {})
     assert order == ["chunk-0-0.bin", "chunk-0-4.bin", "chunk-0-3.bin", "chunk-0-5.bin"]
-    assert p.spare(["chunk-0-4.bin"]) == []  # still to be read this epoch
+    slots[1] = (0, 0, 25)
     # The same slot, were this process still in epoch 0, is read as it is.
     slots[0] = (0, 0, 20)
     q = PlanPolicy(
