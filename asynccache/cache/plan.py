@@ -193,8 +193,7 @@ class PlanPolicy:
         just before, is kept too: :meth:`_finishing`). (Ranks move together: a rank's new
         workers write their slots moments after the other rank's. Read as it was, the slot
         would hold the last window of the last epoch as "being read" and rank the chunks
-        this epoch reads from positions
-        nobody stands at.) So is a slot from more than one epoch ahead (left by an earlier
+        this epoch reads from positions nobody stands at.) So is a slot from more than one epoch ahead (left by an earlier
         run of the same plan), a slot whose plan is unknown (a resumed variant that is not
         this process's), and a missing or torn one. A reader that died mid-epoch keeps its
         slot's meaning until the epoch ends; every reader rewrites its slot when it starts
