@@ -187,17 +187,17 @@ class PlanPolicy:
     def _where(self, got: Sequence[Position | None]) -> list[tuple[EpochPlan, int, int]]:
         """(plan of its epoch, position, epoch) of every reader, from the board's ``got``.
 
-        A slot from an epoch before this process's stands for a reader that has not
-        started this epoch yet: it is taken to be at this epoch's start, as it will be when
-        it starts (what it reads at that slot's position, where the slot is from the epoch
-        just before, is kept too: :meth:`_finishing`). (Ranks move together: a rank's new
-        workers write their slots moments after the other rank's. Read as it was, the slot
-        would hold the last window of the last epoch as "being read" and rank the chunks
-        this epoch reads from positions nobody stands at.) So is a slot from more than one epoch ahead (left by an earlier
-        run of the same plan), a slot whose plan is unknown (a resumed variant that is not
-        this process's), and a missing or torn one. A reader that died mid-epoch keeps its
-        slot's meaning until the epoch ends; every reader rewrites its slot when it starts
-        an epoch, so no slot outlives the epoch it names.
+        A slot from an epoch before this process's stands for a reader that has not started
+        this epoch yet: it is taken to be at this epoch's start, as it will be when it
+        starts (what it reads at that slot's position, where the slot is from the epoch just
+        before, is kept too: :meth:`_finishing`). (Ranks move together: a rank's new workers
+        write their slots moments after the other rank's. Read as it was, the slot would
+        hold the last window of the last epoch as "being read" and rank the chunks this
+        epoch reads from positions nobody stands at.) So is a slot from more than one epoch
+        ahead (left by an earlier run of the same plan), a slot whose plan is unknown (a
+        resumed variant that is not this process's), and a missing or torn one. A reader
+        that died mid-epoch keeps its slot's meaning until the epoch ends; every reader
+        rewrites its slot when it starts an epoch, so no slot outlives the epoch it names.
         """
         out = []
         for r in range(self.readers):

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate, default_convert, get_worker_info
 from ..cache.usage import scan
 from ..config import Settings
 from ..errors import ConfigError, ResumeStateError
-from ..read.batchread import Form, Leaf, assemble_into, bytes_needed
+from ..read.batchread import OBJECT_KINDS, Form, Leaf, assemble_into, bytes_needed
 from ..read.reader import Reader
 from ..read.readplan import EpochSpec, ReaderPlace, View
 from ..read.source import DatasetSource
@@ -379,18 +379,29 @@ class StreamingDataset(EpochDataset):
             return self._collated(keys, row, chunks, positions)  # items read by range
         parts = []
         form: Form | None = None
+        taken: tuple[int, Any] | None = None  # (slot, buffer): rows copied chunk by chunk
         for c in dict.fromkeys(chunks.tolist()):
             sel = np.nonzero(chunks == c)[0]
-            cf = ur.chunk_forms(c)
+            cf = ur.chunk_forms(c)  # (waits for the chunk)
             pos = positions[sel]
             f = cf.form_of(pos)
             if f is None or (form is not None and f != form):
                 return self._collated(keys, row, chunks, positions)
-            form = f
-            parts.append((cf, pos, sel))
+            if form is None:
+                form = f
+                if not batches.supported(form, objects=True):
+                    return self._collated(keys, row, chunks, positions)
+                if not any(leaf.kind in OBJECT_KINDS for leaf in form.leaves):
+                    # Fixed-width leaves only: each chunk's rows are copied as soon as it
+                    # is here, while the batch's later chunks still download.
+                    taken = pool.take(form.regions(max(n, self.batch_size))[1])
+            if taken is not None:
+                assemble_into(taken[1].numpy(), form, [(cf, pos, sel)], n)
+            else:
+                parts.append((cf, pos, sel))
         assert form is not None
-        if not batches.supported(form, objects=True):
-            return self._collated(keys, row, chunks, positions)
+        if taken is not None:
+            return self._send(form, n, taken[1], taken[0], pool, row)
         # Bytes values travel in the buffer to another process (no pickling through the pipe).
         extra = 0 if pool.here else bytes_needed(form, parts)
         slot, buf = pool.take(form.regions(max(n, self.batch_size))[1] + extra)

@@ -207,3 +207,33 @@ def test_dropped_batches_reuse_a_few_shared_buffers(fixed):
     ds = StreamingDataset(fixed)
     assert sum(1 for _ in CacheDataLoader(ds, batch_size=2)) == n
     assert ds.batch_stats()["pooled_buffers"] == 2 and ds.batch_stats()["unpooled_buffers"] == 0
+
+
+class ChunkShapes(Dataset):
+    """Arrays of one shape per chunk, another in the next: a batch over two chunks has
+    no single form (its first chunk's rows are copied before the second says so)."""
+
+    def __len__(self) -> int:
+        return 3 * CHUNK
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": np.full(4 + (i // CHUNK == 1), i, np.int32), "y": i}
+
+
+def test_a_batch_whose_later_chunk_differs_in_form_is_collated_per_item(tmp_path):
+    path = tmp_path / "shapes"
+    list(CacheDataLoader(ChunkShapes(), cache_dir=path, chunk_size=CHUNK, batch_size=CHUNK))
+    ds = StreamingDataset(path)
+    got = []
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        for b in CacheDataLoader(ds, batch_size=12):  # batch 1: items 12-23, two chunks
+            got.append(b)
+    assert [b["y"].tolist() for b in got] == [list(range(12))]
+    assert ds.batch_stats()["assembled"] == 1 and ds.batch_stats()["collated"] == 1
+    # Batches within one chunk each, around the chunk's edge: assembled, bit for bit.
+    ds = StreamingDataset(path)
+    got = list(CacheDataLoader(ds, batch_size=CHUNK))
+    ref = list(CacheDataLoader(StreamingDataset(path), batch_size=CHUNK, collate_fn=per_item))
+    for a, b in zip(got, ref, strict=True):
+        same(a, b)
+    assert ds.batch_stats()["assembled"] == 3 and ds.batch_stats()["collated"] == 0
