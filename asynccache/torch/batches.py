@@ -294,9 +294,8 @@ class Pool:
         fresh pages: 0.2 s of faults). The number taken."""
         assert self.here, "only the consumer's pool borrows its idle buffers"
         maps = _MAPS.get(self.token)
-        slots = max(2, POOL_SLOTS)
-        empty = [k for k in range(slots) if self.cells[k] == 0 and k not in self.memory]
-        have = sum(1 for k in range(slots) if self.cells[k] == 0 and k in self.memory)
+        empty = [k for k in range(POOL_SLOTS) if self.cells[k] == 0 and k not in self.memory]
+        have = sum(1 for k in range(POOL_SLOTS) if self.cells[k] == 0 and k in self.memory)
         need = min(want - have, len(empty))
         if not maps or need <= 0:
             return 0
