@@ -1002,7 +1002,8 @@ class ChunkStore:
 
     def close(self) -> None:
         """Release every pin this store holds, and the temporary files made ahead (no
-        more are kept after this)."""
+        more are kept after this); then trim the cache to its budget, as the last unpin
+        would."""
         with self._mu:
             pins, self._pins = self._pins, {}
             self._reached = {}
@@ -1012,6 +1013,11 @@ class ChunkStore:
             forksafe.close_fd(fd)
         if ready:
             self._release_now(ready)
+        if pins:
+            # Those pins may have kept the cache over budget (an unpin's trim that found
+            # another process evicting gave up): trim now, not at the next reservation.
+            with contextlib.suppress(OSError, CacheError):
+                self._evict_after_unpin()
 
     def _after_fork_in_child(self) -> None:
         # forksafe closed the pin descriptors and the files made ahead already: forget

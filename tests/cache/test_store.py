@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import sys
@@ -215,3 +216,28 @@ def test_for_dataset_uses_settings(tmp_path) -> None:
     store = ChunkStore.for_dataset(settings, "s3://b/ds", "abcd")
     assert store.root == dataset_dir(tmp_path, "s3://b/ds", "abcd")
     assert store.max_cache_bytes == 12345 and store.cache_dir == tmp_path
+
+
+def test_close_trims_what_its_pins_kept_over_budget(tmp_path, monkeypatch) -> None:
+    """An unpin trims the cache, but gives up when another process holds the eviction
+    lock past a short wait (the next reservation trims then). A store closed with pins
+    releases them all at once: it trims too, so no dataset is left over its budget at rest
+    because its reader's last pins went with the close."""
+    from asynccache.cache import store as store_mod
+
+    monkeypatch.setattr(store_mod, "_TRIM_WAIT_S", 0.05)
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=250)
+    for i, name in enumerate(["chunk-0-0.bin", "chunk-0-1.bin", "chunk-0-2.bin"]):
+        _publish(store, name, b"x" * 100)
+        os.utime(store.path(name), (1000 + i, 1000 + i))
+    assert store.pin("chunk-0-2.bin")
+    holder = os.open(store.cache_dir / store_mod.EVICT_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another process evicting, for longer than the wait
+    assert store.pin("chunk-0-0.bin")
+    store.unpin("chunk-0-0.bin")
+    assert store.used_bytes() == 300, "the unpin's trim gave up (the lock is held)"
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    os.close(holder)
+    store.close()  # releases chunk-0-2's pin
+    assert store.used_bytes() <= 250
+    assert store.is_cached("chunk-0-2.bin"), "the most recently used is kept"
