@@ -167,18 +167,21 @@ def test_each_epochs_new_workers_reuse_the_buffers(fixed, context):
     """Without persistent workers, four epochs: from the second on, the workers forked for
     it write into the buffers the earlier workers left, and send little storage; a batch the
     consumer holds through the epochs keeps its values. Spawned workers inherit no
-    mapping: fresh buffers every epoch, as before."""
+    mapping: fresh buffers every epoch, as before (two epochs show it; each spawns its
+    workers afresh). The reference batches come per item from forked workers: the values
+    do not depend on how the workers start."""
+    epochs = 4 if context == "fork" else 2
 
     def run(**kw: Any) -> tuple[list[Any], StreamingDataset]:
         ds = StreamingDataset(fixed, shuffle=True, seed=7)
-        dl = CacheDataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context, **kw)
-        return [b for _ in range(4) for b in dl], ds
+        dl = CacheDataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork", **kw)
+        return [b for _ in range(epochs) for b in dl], ds
 
     held_first = None
     ds = StreamingDataset(fixed, shuffle=True, seed=7)
     dl = CacheDataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=context)
     got, sent = [], []
-    for _ in range(4):
+    for _ in range(epochs):
         for b in dl:
             got.append(copy.deepcopy(b))  # (a copy: the batch itself is dropped)
             if held_first is None:
@@ -197,4 +200,4 @@ def test_each_epochs_new_workers_reuse_the_buffers(fixed, context):
         assert stats["adopted_buffers"] >= 3 * sent[0] // 2, "later epochs adopt"
         assert sent[3] - sent[0] < sent[0], "later epochs send few storages (none, mostly)"
     else:
-        assert stats["adopted_buffers"] == 0 and sent[3] > sent[0]
+        assert stats["adopted_buffers"] == 0 and sent[1] > sent[0]
