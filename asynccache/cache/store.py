@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 EVICT_LOCK = ".evict.lock"
 _EVICT_LOCK_TIMEOUT_S = 30.0
 _TRIM_WAIT_S = 1.0
+_HANDOFF_S = 10.0  # a pin taken for a waiting reader (hand_over) is kept this long at most
 _YIELD_S = 0.005  # a file made ahead waits this long for a download's reservation
 # A reader's reservation on a full disk tries again after these pauses (doubling) while
 # something may be freed, and gives up when nothing in the cache moved for _FULL_STALL_S.
@@ -130,6 +131,9 @@ class ChunkStore:
         self.lock_timeout_s = lock_timeout_s
         self._pins: dict[str, tuple[int, int]] = {}  # name -> (fd, count)
         self._reached: dict[str, str] = {}  # pinned, not published: name -> reopen_path
+        # Pins taken for a waiting reader (hand_over), each counted in _pins: name ->
+        # deadlines (monotonic), one a pin; the reader's pin takes one over.
+        self._handed: dict[str, list[float]] = {}
         self._mu = threading.Lock()
         self.evicted = 0
         self._amutex: asyncio.Lock | None = None
@@ -244,13 +248,37 @@ class ChunkStore:
         The path is the chunk's own, or, for a chunk adopted here and not published
         (:meth:`adopt`), one that reaches its file only while the pin is held (show
         :func:`.layout.shown_path` of it in messages). Every successful ``pin`` needs one
-        :meth:`unpin`. Never blocks.
+        :meth:`unpin`. A pin :meth:`hand_over` took for this reader becomes this one.
+        Never blocks.
         """
+        return self._pin(name, handing=False)
+
+    def hand_over(self, name: str) -> bool:
+        """Pin ``name`` for a reader about to :meth:`pin` it (the downloader, as it answers
+        a reader waiting for the chunk): the reader's pin takes this one over, so nothing
+        evicts the chunk between the answer and the reader's pin (a reader thread may run
+        much later than the I/O thread that answered it). A hand-over no reader takes
+        (it gave up) is released after ``_HANDOFF_S``, at the next pin or eviction here.
+        False where the chunk is not here (:meth:`pin` would find nothing).
+        """
+        return self._pin(name, handing=True) is not None
+
+    def _pin(self, name: str, handing: bool) -> str | None:
         path = str(self.path(name))
+        if self._handed:
+            self._release_stale_handoffs()
         with self._mu:
             held = self._pins.get(name)
+            handed = self._handed.get(name)
+            if handing:
+                self._handed.setdefault(name, []).append(time.monotonic() + _HANDOFF_S)
             if held is not None:
-                self._pins[name] = (held[0], held[1] + 1)
+                if handed and not handing:
+                    handed.pop()  # the reader's now: the count stays
+                    if not handed:
+                        del self._handed[name]
+                else:
+                    self._pins[name] = (held[0], held[1] + 1)
                 reached = self._reached.get(name)
                 if reached is not None:
                     return reached  # adopted, not published (yet, or ever)
@@ -259,29 +287,50 @@ class ChunkStore:
             try:
                 fd = forksafe.open_fd(path, os.O_RDONLY)
             except FileNotFoundError:
+                self._handed.pop(name, None)
                 return None
             try:
-                # Non-blocking: an exclusive holder is an evictor about to unlink the file
-                # (a miss), or a writer finishing its publish (treated as a miss too; the
-                # download lock path then finds the file published).
-                if not try_lock(fd, exclusive=False):
-                    forksafe.close_fd(fd)
-                    return None
-                # The evictor may have unlinked the file between our open and our lock.
-                if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                    forksafe.close_fd(fd)
-                    return None
-                # Not trusted as it is (an earlier boot's, see .stamp): a miss, which the
-                # download path checks again (restamp) before fetching anything.
-                if self.stamp is not None and not _stamps.trusted(_stamps.read(fd), self.stamp):
-                    forksafe.close_fd(fd)
-                    return None
+                # A miss: an exclusive holder (the lock is not waited for), which is an
+                # evictor about to unlink the file or a writer finishing its publish (the
+                # download lock path then finds it published); a file unlinked between
+                # our open and our lock; a file not trusted as it is (an earlier boot's,
+                # see .stamp), which the download path checks again before fetching.
+                usable = (
+                    try_lock(fd, exclusive=False)
+                    and os.fstat(fd).st_ino == os.stat(path).st_ino
+                    and (self.stamp is None or _stamps.trusted(_stamps.read(fd), self.stamp))
+                )
             except FileNotFoundError:
+                usable = False
+            if not usable:
                 forksafe.close_fd(fd)
+                self._handed.pop(name, None)  # (nothing held: no hand-over either)
                 return None
             self._pins[name] = (fd, 1)
             _touch(path)
             return path
+
+    def _release_stale_handoffs(self) -> None:
+        """Release the pins :meth:`hand_over` took that no reader took over in time; never
+        trims (the eviction about to run, or the next one, does)."""
+        now = time.monotonic()
+        closing = []
+        with self._mu:
+            for name in [n for n, due in self._handed.items() if min(due) < now]:
+                due = self._handed.pop(name)
+                live = [d for d in due if d >= now]
+                if live:
+                    self._handed[name] = live
+                fd, count = self._pins[name]
+                count -= len(due) - len(live)
+                if count > 0:
+                    self._pins[name] = (fd, count)
+                    continue
+                del self._pins[name]
+                self._reached.pop(name, None)
+                closing.append(fd)
+        for fd in closing:
+            forksafe.close_fd(fd)
 
     def unpin(self, name: str) -> None:
         """Undo one :meth:`pin`; the last unpin makes the chunk evictable again."""
@@ -295,6 +344,7 @@ class ChunkStore:
                 return
             del self._pins[name]
             self._reached.pop(name, None)
+            self._handed.pop(name, None)
         forksafe.close_fd(fd)
         self._evict_after_unpin()
 
@@ -929,6 +979,8 @@ class ChunkStore:
         when they are not enough, :class:`.plan.Deferred` (what was evicted stays evicted:
         nobody needed it this epoch).
         """
+        if self._handed:
+            self._release_stale_handoffs()
         used, entries = usage.scan(self.cache_dir, self.root, usage.by_inode(pending or []))
         budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
@@ -1007,6 +1059,7 @@ class ChunkStore:
         with self._mu:
             pins, self._pins = self._pins, {}
             self._reached = {}
+            self._handed = {}
             ready, self._ready = list(self._ready.values()), {}
             self._closed = True
         for fd, _ in pins.values():
@@ -1027,6 +1080,7 @@ class ChunkStore:
         self._demands = 0
         self._pins = {}
         self._reached = {}
+        self._handed = {}
         self._ready = {}
         self.shed = None  # the parent's readers
 

@@ -189,14 +189,19 @@ class Downloader:
         checksum: str | None = None,
         *,
         early: bool = False,
+        hand_over: bool = False,
     ) -> concurrent.futures.Future[str]:
         """A Future of the local path of chunk ``name``, downloading it if needed.
 
         ``early``: resolved as soon as the chunk is verified and this process's store
         holds it (:meth:`.ChunkStore.adopt`), which may be before it is published under
         that path: the caller must read it through :meth:`.ChunkStore.pin`.
+        ``hand_over``: the caller pins it next; the chunk is pinned for it as the Future
+        resolves (:meth:`.ChunkStore.hand_over`), so nothing evicts it in between.
         """
-        return self._lt.submit(self.ensure_async(name, size, checksum, early=early))
+        return self._lt.submit(
+            self.ensure_async(name, size, checksum, early=early, hand_over=hand_over)
+        )
 
     def read_ranges(
         self,
@@ -361,13 +366,26 @@ class Downloader:
         checksum: str | None = None,
         *,
         early: bool = False,
+        hand_over: bool = False,
     ) -> str:
         """The local path of chunk ``name``, downloading it if needed (async twin; see
-        :meth:`ensure` for ``early``)."""
+        :meth:`ensure` for ``early`` and ``hand_over``)."""
+        if self.storage.is_local:
+            self._consume_noted()
+            self._consume_hint(name)
+            return await self._local(ChunkSpec(name, size, checksum))
+        path = await self._ensure_cached(name, size, checksum, early)
+        if hand_over:
+            # On this thread, before the caller's thread wakes: a miss here (evicted
+            # already) leaves the caller's pin to miss, and it fetches again.
+            self.store.hand_over(name)
+        return path
+
+    async def _ensure_cached(
+        self, name: str, size: int | None, checksum: str | None, early: bool
+    ) -> str:
         self._consume_noted()
         self._consume_hint(name)
-        if self.storage.is_local:
-            return await self._local(ChunkSpec(name, size, checksum))
         if name not in self._inflight and self.store.is_cached(name, size):
             self.stats.hits += 1
             self._pump()

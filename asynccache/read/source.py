@@ -346,7 +346,10 @@ class DatasetSource:
             # not; giving up (or an interrupt) cancels the download nobody else wants.
             # Early: answered once verified, while the publish (its fsync) goes on; the
             # pin then reaches the file through the store's own descriptor of it.
-            dl.wait(dl.ensure(spec.name, spec.size, spec.checksum, early=True), spec.name)
+            # Handed over: pinned for this thread as the I/O thread answers it, so that
+            # no evictor (another process's) takes it before the pin below.
+            fut = dl.ensure(spec.name, spec.size, spec.checksum, early=True, hand_over=True)
+            dl.wait(fut, spec.name)
             path = dl.store.pin(spec.name)
             if path is not None:
                 with self._mu:

@@ -1,10 +1,11 @@
-"""A chunk evicted by another process between its download and the reader's pin is fetched
+"""A chunk evicted by another process between its download and the pin taken for its
+reader (:meth:`.ChunkStore.hand_over`, as the I/O thread answers the reader) is fetched
 again, after a short, growing pause, until ``_PIN_RETRY_S`` has passed; only then does the
-reader get :class:`TransientError` (asynccache.read.source.DatasetSource.acquire).
+reader get :class:`TransientError` (asynccache.read.source.DatasetSource.acquire). Once
+handed over, no evictor takes it before the reader's own pin, however late that comes.
 
 Real HTTP origin, real downloader and cache; the eviction is the store's own (the file
-unlinked under the exclusive lock, as another process's evictor does), made between the
-download and the pin.
+unlinked under the exclusive lock, as another process's evictor does).
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def _settings(cache: Path) -> Settings:
 
 
 class Evictor:
-    """Evicts chunk ``name`` right before each of the reader's first ``times`` pins."""
+    """Tries to evict chunk ``name`` right before each of the first ``times`` calls of
+    ``ChunkStore.<where>`` for it: ``hand_over`` (the I/O thread's pin for the reader) or
+    ``pin`` (the reader's own)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, times: int) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, name: str, times: int, where: str = "hand_over"
+    ) -> None:
         self.name, self.left, self.evicted, self.pins = name, times, 0, 0
-        real = ChunkStore.pin
+        real = getattr(ChunkStore, where)
 
-        def pin(store: ChunkStore, name: str) -> str | None:
+        def pin(store: ChunkStore, name: str) -> object:
             if name == self.name:
                 self.pins += 1
                 if self.left:
@@ -54,7 +59,7 @@ class Evictor:
                         self.evicted += 1
             return real(store, name)
 
-        monkeypatch.setattr(ChunkStore, "pin", pin)
+        monkeypatch.setattr(ChunkStore, where, pin)
 
 
 def _gets(origin: StaticHTTPServer, name: str) -> int:
@@ -86,3 +91,24 @@ def test_a_chunk_evicted_every_time_gives_up_after_the_bound(tmp_path, origin, m
         took = time.monotonic() - t
         assert ev.evicted == ev.pins >= 3, "fetched again, each time evicted"
         assert took >= 0.3 - source_module._PIN_PAUSE_S[1], "waited out the bound"
+
+
+def test_a_chunk_handed_over_is_never_evicted_before_the_readers_pin(tmp_path, origin, monkeypatch):
+    """The reader's thread pins after the I/O thread answered it; an evictor between the
+    two finds the chunk pinned for the reader (it tried: counted), and nothing is fetched
+    twice."""
+    with DatasetSource(origin.url, settings=_settings(tmp_path / "cache")) as src:
+        name = src.index.chunks[0].filename
+        before = _gets(origin, name)
+        ev = Evictor(monkeypatch, name, times=1, where="pin")
+        path = src.acquire(0)
+        try:
+            assert ev.pins == 1 and ev.left == 0, "the evictor tried"
+            assert ev.evicted == 0, "handed over: pinned"
+            assert _gets(origin, name) - before == 1
+            assert Path(path).stat().st_size == src.index.chunks[0].bytes
+        finally:
+            src.release(0)
+        dl = src.downloader()
+        assert dl.wait_published(10)
+        assert dl.store.pinned() == {}, "the reader's release let go of the hand-over"

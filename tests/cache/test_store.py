@@ -241,3 +241,72 @@ def test_close_trims_what_its_pins_kept_over_budget(tmp_path, monkeypatch) -> No
     store.close()  # releases chunk-0-2's pin
     assert store.used_bytes() <= 250
     assert store.is_cached("chunk-0-2.bin"), "the most recently used is kept"
+
+
+async def test_a_hand_over_holds_the_chunk_until_the_readers_pin_takes_it(tmp_path) -> None:
+    """The pin taken for a waiting reader keeps another process's evictor off the chunk;
+    the reader's pin takes it over (one pin, one unpin, then evictable). Two readers
+    waiting for one chunk: two hand-overs, two pins."""
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    other = ChunkStore(tmp_path / "ds", max_cache_bytes=100)  # another process's view
+    _publish(store, "chunk-0-0.bin", b"x" * 100)
+    assert store.hand_over("chunk-0-0.bin") and store.hand_over("chunk-0-0.bin")
+    assert store.pinned() == {"chunk-0-0.bin": 2}
+    assert await other.make_room(100) == 0, "handed over: pinned"
+    assert store.pin("chunk-0-0.bin") and store.pin("chunk-0-0.bin")
+    assert store.pinned() == {"chunk-0-0.bin": 2}, "the readers' pins took the hand-overs"
+    assert store.pin("chunk-0-0.bin")
+    assert store.pinned() == {"chunk-0-0.bin": 3}, "a third pin is a pin of its own"
+    for _ in range(3):
+        store.unpin("chunk-0-0.bin")
+    assert store.pinned() == {}
+    assert await other.make_room(100) == 100
+    assert not store.hand_over("chunk-0-0.bin"), "nothing to hand over"
+    assert store.pinned() == {}
+    assert store.pin("chunk-0-0.bin") is None
+
+
+async def test_a_hand_over_nobody_takes_is_released_in_time(tmp_path, monkeypatch) -> None:
+    """A reader that gave up never pins: its hand-over is released once stale, at this
+    store's next eviction, and the chunk is evictable again (not before)."""
+    from asynccache.cache import store as store_mod
+
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=100)
+    _publish(store, "chunk-0-0.bin", b"x" * 100)
+    _publish(store, "chunk-0-1.bin", b"y" * 100)
+    assert store.pin("chunk-0-1.bin")
+    assert store.hand_over("chunk-0-1.bin")  # on a pin of its own: two, one handed
+    assert store.hand_over("chunk-0-0.bin")
+    assert await store.make_room(100) == 0, "both pinned"
+    monkeypatch.setattr(store_mod.time, "monotonic", lambda: time.monotonic_ns() / 1e9 + 60)
+    assert await store.make_room(100) == 100
+    assert not store.is_cached("chunk-0-0.bin"), "its stale hand-over released"
+    assert store.pinned() == {"chunk-0-1.bin": 1}, "the reader's own pin stays"
+    assert store.pin("chunk-0-1.bin") and store.pinned() == {"chunk-0-1.bin": 2}
+
+
+def test_a_forked_child_takes_over_no_hand_over_of_its_parent(tmp_path) -> None:
+    """The parent's hand-overs are its own: in a forked child, a pin is a pin of its own
+    (its second pin counts two), and the parent's hand-over is there for its reader."""
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    _publish(store, "chunk-0-0.bin", b"x" * 100)
+    assert store.hand_over("chunk-0-0.bin")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            fresh = store.pinned() == {}
+            store.pin("chunk-0-0.bin")
+            store.pin("chunk-0-0.bin")
+            ok = fresh and store.pinned() == {"chunk-0-0.bin": 2}
+            os.write(w, b"0" if ok else b"1")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"0"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert store.pin("chunk-0-0.bin") and store.pinned() == {"chunk-0-0.bin": 1}

@@ -347,3 +347,35 @@ def test_files_made_ahead_are_used_and_released_with_the_hint(tmp_path, lt) -> N
     assert not {"c3.bin", "c4.bin"} & {key for key, _, _ in storage.reads}
     dl.close()
     assert not [p for p in store.root.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("hand_over", [False, True])
+def test_a_waiting_reader_finds_its_chunk_pinned_however_late_it_wakes(
+    tmp_path, lt, hand_over
+) -> None:
+    """A reader's thread may wake long after the I/O thread answered it, and the chunk's
+    publish let go of it meanwhile: another process's evictor can take it before the
+    reader pins it (without ``hand_over``: shown). Handed over, it is pinned for the reader
+    as the answer goes out; the reader's pin takes it over."""
+    objects = _objects(1, 1000)
+    _storage, store, dl = _make(tmp_path, lt, objects)
+    other = ChunkStore(tmp_path / "ds", max_cache_bytes=1000)  # another process's evictor
+    data = objects["c0.bin"]
+    for attempt in range(2):  # a download, then a hit
+        fut = dl.ensure("c0.bin", len(data), _xx(data), early=True, hand_over=hand_over)
+        fut.result(10)
+        assert dl.wait_published(10)
+        deadline = time.monotonic() + 10
+        while store.pinned().get("c0.bin", 0) != int(hand_over):
+            assert time.monotonic() < deadline, store.pinned()  # the publisher's pin lets go
+            time.sleep(0.01)
+        removed = asyncio.run(other.make_room(1000))  # the reader's thread has not run yet
+        path = store.pin("c0.bin")
+        if not hand_over:
+            assert removed == 1000 and path is None, "evicted before the reader's pin"
+            return
+        assert removed == 0 and path is not None and _read(path) == data
+        assert store.pinned() == {"c0.bin": 1}, "the reader's pin took the hand-over"
+        store.unpin("c0.bin")
+        assert store.pinned() == {}
+        assert dl.stats.chunks_fetched == 1 and dl.stats.hits == attempt
