@@ -231,6 +231,9 @@ def test_a_chunk_another_process_downloads_counts_one_part_in_the_window(
             while not all(store.is_cached(n) for n in names):
                 assert time.monotonic() < deadline, "the window did not land"
                 time.sleep(0.01)
+            while dl.snapshot().chunks_fetched < len(names):  # (counted just after its publish)
+                assert time.monotonic() < deadline, "a chunk that landed was never counted"
+                time.sleep(0.01)
             stats = dl.snapshot()
         finally:
             dl.close()
