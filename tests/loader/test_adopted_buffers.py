@@ -201,3 +201,35 @@ def test_each_epochs_new_workers_reuse_the_buffers(fixed, context):
         assert sent[3] - sent[0] < sent[0], "later epochs send few storages (none, mostly)"
     else:
         assert stats["adopted_buffers"] == 0 and sent[1] > sent[0]
+
+
+def _send(pool: batches.Pool, value: int) -> torch.Tensor:
+    slot, buf = pool.take(FORM.regions(1)[1])
+    buf.numpy()[:ROW_BYTES] = value
+    return ForkingPickler.loads(ForkingPickler.dumps(pool.send(FORM, 1, slot, buf)))
+
+
+@linux
+def test_the_consumers_lead_borrows_one_buffer_of_each_gone_row_before_a_second():
+    """Two gone workers left two free buffers each; the consumer's lead wants two: it
+    takes one of each row, so each row's next worker still has one to adopt (taking both
+    of one row made that row's next worker a fresh buffer: 256 MiB of fresh pages for
+    4 MiB items)."""
+    c = Consumer()
+    other: batches.Pool | None = batches.Pool(c.block, c.token, ROW + 1)
+    assert c.pool is not None and other is not None and other.row == ROW + 1
+    for pool in (c.pool, other):
+        held = [_send(pool, v) for v in (1, 2)]  # two buffers a row, both free once dropped
+        del held
+    c.pool = other = pool = None  # the workers end (their row locks with them)
+    for row in (ROW, ROW + 1):
+        batches.table(c.block)[row, batches._OWNER] = 0  # the workers are gone
+    main = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True)
+    assert main.borrow_idle(2) == 2
+    left = sorted(row for row, _ in batches._MAPS[c.token])
+    assert left == [ROW, ROW + 1], "one buffer of each row left to adopt"
+    for row in (ROW, ROW + 1):
+        before = c.counters()["adopted_buffers"]
+        worker = batches.Pool(c.block, c.token, row)
+        assert worker.row == row and c.counters()["adopted_buffers"] == before + 1
+        del worker
