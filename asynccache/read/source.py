@@ -207,8 +207,10 @@ class DatasetSource:
         side = Downloader(conn.storage, store, self.settings)
         try:
             for _ in range(8):  # a pin can lose a race with another process's evictor
-                path = await side.ensure_async(meta.sidecar, meta.sidecar_bytes, meta.sidecar_hex)
-                if store.pin(meta.sidecar) is None:
+                path = await side.ensure_async(
+                    meta.sidecar, meta.sidecar_bytes, meta.sidecar_hex, hand_over=True
+                )
+                if store.pin(meta.sidecar) is None:  # (evicted before the hand-over)
                     continue
                 damaged = False
                 try:
