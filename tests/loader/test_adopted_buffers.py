@@ -233,3 +233,35 @@ def test_the_consumers_lead_borrows_one_buffer_of_each_gone_row_before_a_second(
         worker = batches.Pool(c.block, c.token, row)
         assert worker.row == row and c.counters()["adopted_buffers"] == before + 1
         del worker
+
+
+@linux
+@settings(max_examples=25, deadline=None)
+@given(
+    free=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+    want=st.integers(1, batches.POOL_SLOTS),
+)
+def test_the_lead_borrows_evenly_across_gone_rows(free, want):
+    """Whatever free buffers the gone rows left and however many the lead wants, it takes
+    ``min(want, their number)``, and one more of a row only when every row with buffers
+    left has given as many: the rows' next workers keep as many to adopt as can be."""
+    c = Consumer()
+    c.pool = None
+    for i, k in enumerate(free):
+        pool: batches.Pool | None = batches.Pool(c.block, c.token, ROW + i)
+        assert pool is not None and pool.row == ROW + i
+        held = [_send(pool, v) for v in range(1, k + 1)]
+        del held
+        pool = None
+        batches.table(c.block)[ROW + i, batches._OWNER] = 0  # that worker is gone
+    main = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True)
+    got = main.borrow_idle(want)
+    assert got == min(want, sum(free), batches.POOL_SLOTS)
+    left = [
+        sum(1 for row, _ in batches._MAPS.get(c.token, {}) if row == ROW + i)
+        for i in range(len(free))
+    ]
+    taken = [k - n for k, n in zip(free, left, strict=True)]
+    for t in taken:  # a row gave its t-th: every other gave t - 1, or all it had
+        for k, other in zip(free, taken, strict=True):
+            assert other >= min(k, t - 1), (free, want, taken)
