@@ -370,9 +370,9 @@ class Downloader:
     ) -> str:
         """The local path of chunk ``name``, downloading it if needed (async twin; see
         :meth:`ensure` for ``early`` and ``hand_over``)."""
+        self._consume_noted()
+        self._consume_hint(name)
         if self.storage.is_local:
-            self._consume_noted()
-            self._consume_hint(name)
             return await self._local(ChunkSpec(name, size, checksum))
         path = await self._ensure_cached(name, size, checksum, early)
         if hand_over:
@@ -384,8 +384,6 @@ class Downloader:
     async def _ensure_cached(
         self, name: str, size: int | None, checksum: str | None, early: bool
     ) -> str:
-        self._consume_noted()
-        self._consume_hint(name)
         if name not in self._inflight and self.store.is_cached(name, size):
             self.stats.hits += 1
             self._pump()
