@@ -259,7 +259,8 @@ class ChunkStore:
         evicts the chunk between the answer and the reader's pin (a reader thread may run
         much later than the I/O thread that answered it). A hand-over no reader takes
         (it gave up) is released after ``_HANDOFF_S``, at the next pin or eviction here.
-        False where the chunk is not here (:meth:`pin` would find nothing).
+        False where the chunk is not here (:meth:`pin` would find nothing), and once the
+        store is closed.
         """
         return self._pin(name, handing=True) is not None
 
@@ -268,6 +269,10 @@ class ChunkStore:
         if self._handed:
             self._release_stale_handoffs()
         with self._mu:
+            if handing and self._closed:
+                # A download that lands after the close: no reader takes this pin over,
+                # and no pin or eviction of this store would ever release it.
+                return None
             held = self._pins.get(name)
             handed = self._handed.get(name)
             if handing:
@@ -616,16 +621,16 @@ class ChunkStore:
     def _free_locked(self, fd: int, size: int) -> None:
         settled = usage.settle(fd, self.cache_dir)
         room = usage.fs_free(self.cache_dir) - settled.unallocated
-        used, _ = self._evict_locked(size, room, pending=settled.pending)
-        usage.write_ledger(fd, used, 0)
+        used, _, pending = self._evict_locked(size, room, pending=settled.pending)
+        usage.write_ledger(fd, used, 0, pending=pending)
 
     def _allocate_locked(self, fd: int, tmp: TempFile) -> None:
         # Its record is pending: counted in the scan at its size, and in what is not
         # allocated yet, so evicting frees what it still needs.
         settled = usage.settle(fd, self.cache_dir)
         room = usage.fs_free(self.cache_dir) - settled.unallocated
-        used, _ = self._evict_locked(0, room, pending=settled.pending)
-        usage.write_ledger(fd, used, 0)
+        used, _, pending = self._evict_locked(0, room, pending=settled.pending)
+        usage.write_ledger(fd, used, 0, pending=pending)
         try:
             tmp.allocate()
         except DiskFullError as exc:
@@ -801,8 +806,7 @@ class ChunkStore:
         room = self._room()
         if room >= self.max_cache_bytes:
             return self.max_cache_bytes  # (no scan needed: the disk is no limit)
-        used, _ = usage.scan(self.cache_dir, self.root)
-        return self._budget_of(used, room)
+        return self._budget_of(usage.scan(self.cache_dir, self.root).used, room)
 
     def steady_budget(self) -> int:
         """The budget as every process of the node sees it at any moment: ``max_cache_bytes``,
@@ -857,10 +861,11 @@ class ChunkStore:
             and size <= room
         ):
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
+            pending = settled.pending
         else:
-            used, _ = self._evict_locked(size, room, ahead=ahead, pending=settled.pending)
+            used, _, pending = self._evict_locked(size, room, ahead=ahead, pending=settled.pending)
             count, at = 0, now
-        self._admit_locked(fd, tmp, settled.pending, used + size, count, at)
+        self._admit_locked(fd, tmp, pending, used + size, count, at)
 
     def _deferred(self, name: str, size: int, ledger: usage.Ledger | None, budget: int) -> bool:
         """A prefetch of ``name`` waits: under a plan whose dataset does not fit the
@@ -900,7 +905,7 @@ class ChunkStore:
 
     def _scan(self, settled: usage.Settled) -> int:
         """Bytes the cache holds (a full scan; the pending reservations at their sizes)."""
-        return usage.scan(self.cache_dir, self.root, usage.by_inode(settled.pending))[0]
+        return usage.scan(self.cache_dir, self.root, settled.pending).used
 
     def _peek_ledger(self) -> usage.Ledger | None:
         """The ledger as it stands, read without the lock (a hint: the lock decides)."""
@@ -933,15 +938,16 @@ class ChunkStore:
         room = self._room() - settled.unallocated
         if ledger is not None and ledger.trusted(now) and ledger.used + size <= limit:
             used, count, at = ledger.used, ledger.reservations + 1, ledger.scanned_at
+            pending = settled.pending
         else:
-            used, _ = usage.scan(self.cache_dir, self.root, usage.by_inode(settled.pending))
+            used, _, pending = usage.scan(self.cache_dir, self.root, settled.pending)
             count, at = 0, now
         # A file made ahead never takes the last room: a download of its size still fits.
         if used + size > limit or 2 * size > room:
             if count == 0:
-                usage.write_ledger(fd, used, count, at)  # a fresh scan: keep it
+                usage.write_ledger(fd, used, count, at, pending)  # a fresh scan: keep it
             raise Deferred(name)
-        self._admit_locked(fd, tmp, settled.pending, used + size, count, at)
+        self._admit_locked(fd, tmp, pending, used + size, count, at)
 
     async def make_room(self, incoming: int) -> int:
         """Evict least-recently-used unpinned chunks so ``incoming`` more bytes fit.
@@ -957,10 +963,10 @@ class ChunkStore:
 
     def _make_room_locked(self, fd: int, incoming: int) -> int:
         settled = usage.settle(fd, self.cache_dir)
-        used, removed = self._evict_locked(
+        used, removed, pending = self._evict_locked(
             incoming, self._room() - settled.unallocated, pending=settled.pending
         )
-        usage.write_ledger(fd, used, 0)
+        usage.write_ledger(fd, used, 0, pending=pending)
         return removed
 
     def _evict_locked(
@@ -969,8 +975,10 @@ class ChunkStore:
         room: int,
         ahead: bool = False,
         pending: list[usage.Pending] | None = None,
-    ) -> tuple[int, int]:
-        """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed).
+    ) -> tuple[int, int, list[usage.Pending]]:
+        """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed,
+        the entries of ``pending`` still pending: see :class:`.usage.Scan`, and write the
+        ledger with them).
 
         The budget is ``max_cache_bytes``, or less when the filesystem can take only
         ``room`` more bytes. The caller holds the eviction lock and has settled the
@@ -981,7 +989,7 @@ class ChunkStore:
         """
         if self._handed:
             self._release_stale_handoffs()
-        used, entries = usage.scan(self.cache_dir, self.root, usage.by_inode(pending or []))
+        used, entries, pending = usage.scan(self.cache_dir, self.root, pending or [])
         budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
@@ -1010,7 +1018,7 @@ class ChunkStore:
                 self.evicted += 1
         if spare is not None and used + incoming - removed > budget:
             raise Deferred("no room for a prefetch without evicting a chunk still to be read")
-        return used - removed, removed
+        return used - removed, removed, pending
 
     def _plan_order(self, policy: PlanPolicy, candidates: list[Entry]) -> list[Entry]:
         """Every candidate, in eviction order: least recently used first, except that the
@@ -1050,7 +1058,7 @@ class ChunkStore:
 
     def used_bytes(self) -> int:
         """Bytes the cache holds now: chunks and temporary files, all datasets."""
-        return usage.scan(self.cache_dir, self.root)[0]
+        return usage.scan(self.cache_dir, self.root).used
 
     def close(self) -> None:
         """Release every pin this store holds, and the temporary files made ahead (no

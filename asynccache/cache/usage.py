@@ -34,7 +34,8 @@ import json
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from ..bridge import forksafe
 from .eviction import Entry
@@ -47,8 +48,8 @@ __all__ = [
     "RESCAN_EVERY",
     "Ledger",
     "Pending",
+    "Scan",
     "Settled",
-    "by_inode",
     "fs_capacity",
     "fs_free",
     "fs_room",
@@ -73,25 +74,41 @@ _PENDING_TAG = b"P"
 _PENDING_READ = 1 << 16  # the entries' region read at once (a few hundred entries)
 
 
+class Scan(NamedTuple):
+    """What :func:`scan` found.
+
+    Attributes:
+        used: the bytes the cache holds.
+        entries: its published chunks, with their mtimes.
+        pending: the entries of the ``pending`` it was given whose temporary file it
+            counted as one. The others were published before it looked (it counted the
+            chunk, if still there) or removed: its total is the truth about them, and a
+            ledger written from it must not keep them, or the next settle would take
+            their bytes off a second time.
+    """
+
+    used: int
+    entries: list[Entry]
+    pending: list[Pending]
+
+
 def scan(
     cache_dir: str | os.PathLike[str],
     own_root: str | os.PathLike[str] | None = None,
-    pending: Mapping[tuple[int, int], int] | None = None,
-) -> tuple[int, list[Entry]]:
+    pending: Sequence[Pending] = (),
+) -> Scan:
     """Bytes the cache holds under ``cache_dir`` and its published chunks, with mtimes.
 
     Looks only in ``own_root`` and in the direct subdirectories of ``cache_dir`` that
     hold the dataset marker; in them only at chunk names (counted and returned as
     entries) and at our temporary names of chunks (counted by their size: they are
-    preallocated to the chunk's size), except those in ``pending`` ((device, inode) ->
-    size: admitted, perhaps not preallocated yet), counted at that size. Symlinks are never
-    followed.
-
-    Returns:
-        ``(used_bytes, entries)``.
+    preallocated to the chunk's size), except those in ``pending`` (admitted, perhaps not
+    preallocated yet), counted at their admitted size. Symlinks are never followed.
     """
     used = 0
     entries: list[Entry] = []
+    admitted = {(e.dev, e.ino): e.size for e in pending}
+    counted: set[tuple[int, int]] = set()
     roots: list[str] = []
     if own_root is not None:
         roots.append(os.path.abspath(own_root))
@@ -143,9 +160,10 @@ def scan(
             else:
                 # Preallocated to the chunk's size: counted as the chunk will be once
                 # published, so a full budget holds exactly its chunks' bytes.
-                admitted = pending.get((st.st_dev, st.st_ino), 0) if pending else 0
-                used += max(st.st_size, admitted)
-    return used, entries
+                key = (st.st_dev, st.st_ino)
+                counted.add(key)
+                used += max(st.st_size, admitted.get(key, 0))
+    return Scan(used, entries, [e for e in pending if (e.dev, e.ino) in counted])
 
 
 def present(root: str | os.PathLike[str]) -> set[str]:
@@ -293,11 +311,6 @@ def pending_of(path: str, fd: int, size: int, base: str | os.PathLike[str]) -> P
     return Pending(kept, size, st.st_dev, st.st_ino)
 
 
-def by_inode(entries: list[Pending]) -> dict[tuple[int, int], int]:
-    """``entries`` as :func:`scan` takes them: (device, inode) -> size."""
-    return {(e.dev, e.ino): e.size for e in entries}
-
-
 @dataclasses.dataclass(frozen=True)
 class Settled:
     """The ledger and the pending reservations after :func:`settle`.
@@ -401,10 +414,7 @@ def _pending_state(path: str, e: Pending) -> tuple[str, int]:
     try:
         fd = forksafe.open_fd(path, os.O_RDONLY)
     except FileNotFoundError:
-        head, tail = os.path.split(path)
-        if is_temp_name(tail) and os.path.exists(os.path.join(head, temp_final_name(tail))):
-            return "published", 0
-        return "gone", 0
+        return _gone_or_published(path, None), 0
     except OSError:
         return "live", 0  # cannot look: keep counting it (errs high)
     try:
@@ -412,13 +422,32 @@ def _pending_state(path: str, e: Pending) -> tuple[str, int]:
         if (st.st_dev, st.st_ino) != (e.dev, e.ino):
             return "gone", 0  # another file under its name: its own was removed
         if try_lock(fd, exclusive=True):
-            # Its writer is dead: sweep it, unless it was renamed meanwhile.
-            with contextlib.suppress(FileNotFoundError):
+            # Its writer let go: dead, or done since the open above (published or
+            # removed; a writer holds its lock until then). Sweep it if dead.
+            try:
                 if os.stat(path).st_ino == st.st_ino:
                     os.unlink(path)
-            return "gone", 0
+                    return "gone", 0
+            except FileNotFoundError:
+                pass
+            return _gone_or_published(path, st), 0
         return "live", st.st_size
     except OSError:
         return "live", 0
     finally:
         forksafe.close_fd(fd)
+
+
+def _gone_or_published(path: str, st: os.stat_result | None) -> str:
+    """``"published"`` when the temporary file ``path``, gone, has its final name now
+    (the same file, where ``st`` says which one it was), else ``"gone"``."""
+    head, tail = os.path.split(path)
+    if not is_temp_name(tail):
+        return "gone"
+    try:
+        final = os.stat(os.path.join(head, temp_final_name(tail)))
+    except FileNotFoundError:
+        return "gone"
+    if st is not None and (final.st_dev, final.st_ino) != (st.st_dev, st.st_ino):
+        return "gone"
+    return "published"

@@ -54,7 +54,7 @@ def test_a_scan_counts_a_chunk_published_after_its_listing(tmp_path, monkeypatch
     store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=10 * SIZE)
     tmp = asyncio.run(_filled(store, "chunk-0-0.bin"))
     race = _PublishAfterListing(monkeypatch, store.root, tmp.publish)
-    used, entries = usage.scan(store.cache_dir, store.root)
+    used, entries, _ = usage.scan(store.cache_dir, store.root)
     monkeypatch.undo()
     assert race.fired == 1
     assert store.path("chunk-0-0.bin").exists()
@@ -85,3 +85,75 @@ def test_the_budget_holds_when_a_chunk_is_published_during_an_evictions_scan(
     assert len(on_disk) * SIZE <= budget, on_disk
     assert "chunk-0-3.bin" in on_disk
     assert store.used_bytes() <= budget
+
+
+def test_a_chunk_published_and_evicted_between_a_settle_and_the_next_is_taken_off_once(
+    tmp_path, monkeypatch
+) -> None:
+    """A reservation's settle finds a download live; it publishes before that reservation's
+    scan, which counts the chunk and evicts it. The next settle must not take the chunk's
+    bytes off the ledger a second time: the ledger then counted one chunk less than the
+    cache held, and a later reservation, trusting it, went one chunk over the budget."""
+    budget = 3 * SIZE
+    store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=budget)
+    settle = usage.settle
+    fired = []
+
+    async def run() -> None:
+        for i in range(2):
+            (await _filled(store, f"chunk-0-{i}.bin")).publish()
+        third = await _filled(store, "chunk-0-2.bin")  # the budget now full
+
+        def publish_after(fd, base):
+            settled = settle(fd, base)
+            if not fired:
+                fired.append(third.path)
+                third.publish()
+                # The oldest: the eviction the next reservation makes takes it.
+                os.utime(store.path("chunk-0-2.bin"), (1, 1))
+            return settled
+
+        monkeypatch.setattr(usage, "settle", publish_after)
+        (await _filled(store, "chunk-0-3.bin")).publish()
+        monkeypatch.undo()
+        assert fired and not store.path("chunk-0-2.bin").exists()  # published, then evicted
+        (await _filled(store, "chunk-0-4.bin")).publish()
+
+    asyncio.run(run())
+    on_disk = sorted(p.name for p in store.root.glob("chunk-*.bin"))
+    assert len(on_disk) * SIZE <= budget, on_disk
+    assert "chunk-0-4.bin" in on_disk
+
+
+def test_a_settle_that_looks_as_a_chunk_is_published_keeps_its_bytes(tmp_path, monkeypatch) -> None:
+    """A reservation's settle opens a download's temporary file; the download publishes
+    and lets go of its lock before the settle tries that lock. The file is the chunk now,
+    not a dead writer's: its bytes stay on the ledger. (They were taken off: the ledger
+    counted one chunk less than the cache held, and the reservations trusting it went
+    one chunk over the budget.)"""
+    budget = 3 * SIZE
+    store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=budget)
+    try_lock = usage.try_lock
+    fired = []
+
+    async def run() -> None:
+        (await _filled(store, "chunk-0-0.bin")).publish()
+        second = await _filled(store, "chunk-0-1.bin")
+
+        def publish_first(fd, exclusive):
+            if not fired:
+                fired.append(second.path)
+                second.publish()  # renamed, and its lock let go
+            return try_lock(fd, exclusive=exclusive)
+
+        monkeypatch.setattr(usage, "try_lock", publish_first)
+        third = await _filled(store, "chunk-0-2.bin")  # its settle looks at the second
+        monkeypatch.undo()
+        assert fired and store.path("chunk-0-1.bin").exists()
+        third.publish()
+        (await _filled(store, "chunk-0-3.bin")).publish()  # must evict: the budget is full
+
+    asyncio.run(run())
+    on_disk = sorted(p.name for p in store.root.glob("chunk-*.bin"))
+    assert len(on_disk) * SIZE <= budget, on_disk
+    assert "chunk-0-3.bin" in on_disk
