@@ -285,6 +285,23 @@ async def test_a_hand_over_nobody_takes_is_released_in_time(tmp_path, monkeypatc
     assert store.pin("chunk-0-1.bin") and store.pinned() == {"chunk-0-1.bin": 2}
 
 
+async def test_a_closed_store_takes_no_hand_over(tmp_path) -> None:
+    """A download that lands after the close hands over nothing: no reader would take
+    that pin over, and no pin or eviction of the closed store would release it, so
+    other processes could never evict the chunk while this one lives."""
+    store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
+    other = ChunkStore(tmp_path / "ds", max_cache_bytes=100)  # another process's view
+    _publish(store, "chunk-0-0.bin", b"x" * 100)
+    _publish(store, "chunk-0-1.bin", b"y" * 100)
+    assert store.hand_over("chunk-0-0.bin")
+    store.close()
+    assert store.pinned() == {}
+    assert not store.hand_over("chunk-0-1.bin")
+    assert store.pinned() == {}
+    assert await other.make_room(0) == 100, "both evictable: the budget holds one"
+    assert await other.make_room(100) == 100
+
+
 def test_a_forked_child_takes_over_no_hand_over_of_its_parent(tmp_path) -> None:
     """The parent's hand-overs are its own: in a forked child, a pin is a pin of its own
     (its second pin counts two), and the parent's hand-over is there for its reader."""
