@@ -973,8 +973,9 @@ class ChunkStore:
         self,
         incoming: int,
         room: int,
+        *,
+        pending: list[usage.Pending],
         ahead: bool = False,
-        pending: list[usage.Pending] | None = None,
     ) -> tuple[int, int, list[usage.Pending]]:
         """Scan, then evict LRU chunks so ``incoming`` fits the budget; (used, removed,
         the entries of ``pending`` still pending: see :class:`.usage.Scan`, and write the
@@ -989,7 +990,7 @@ class ChunkStore:
         """
         if self._handed:
             self._release_stale_handoffs()
-        used, entries, pending = usage.scan(self.cache_dir, self.root, pending or [])
+        used, entries, pending = usage.scan(self.cache_dir, self.root, pending)
         budget = min(self.max_cache_bytes, used + room)
         pinned_here = {str(self.path(name)) for name in self.pinned()}
         candidates = [e for e in entries if e.key not in pinned_here]
