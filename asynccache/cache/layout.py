@@ -410,10 +410,13 @@ class TempFile:
                 os.fsync(self.fd)
                 synced = True
                 stamps.mark(self.fd, stamps.SYNCED)  # trusted in later boots, where kept
-            # Downgrade rather than drop the lock: the file stays "alive" for sweepers, and
-            # once renamed it is held shared (like a pin) until the descriptor closes.
-            fcntl.flock(self.fd, fcntl.LOCK_SH)
+            # Renamed under the exclusive lock: converting a flock is not atomic
+            # everywhere (flock(2); older kernels let a waiter in between), and a settle
+            # that locked the temporary name in that gap would sweep a live download.
+            # Then downgraded, not dropped: the chunk is held shared (like a pin) until
+            # the descriptor closes.
             os.replace(self.path, self.final)
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
             if synced:
                 fsync_dir(self.final.parent)
         except OSError as exc:

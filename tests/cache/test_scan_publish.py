@@ -5,11 +5,13 @@ one chunk over its budget, and stay there."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 
 import pytest
 
 from asynccache.cache import ChunkStore, usage
+from asynccache.cache.store import EVICT_LOCK
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,3 +159,40 @@ def test_a_settle_that_looks_as_a_chunk_is_published_keeps_its_bytes(tmp_path, m
     on_disk = sorted(p.name for p in store.root.glob("chunk-*.bin"))
     assert len(on_disk) * SIZE <= budget, on_disk
     assert "chunk-0-3.bin" in on_disk
+
+
+def test_a_publish_survives_a_lock_conversion_that_lets_a_settle_in(tmp_path, monkeypatch) -> None:
+    """flock(2) does not promise that converting a lock is atomic: older kernels drop the
+    old lock, reschedule, then take the new one. A settle that runs in that gap of a
+    publish must not take the download's file for a dead writer's (it removed the file,
+    the rename failed, and the reader got an error): the rename happens under the
+    exclusive lock, and the conversion after it."""
+    store = ChunkStore(tmp_path / "cache" / "ds", max_cache_bytes=10 * SIZE)
+    tmp = asyncio.run(_filled(store, "chunk-0-0.bin"))
+    flock = fcntl.flock
+    fired = []
+
+    def converting(fd, op):
+        if fd == tmp.fd and op == fcntl.LOCK_SH and not fired:
+            flock(fd, fcntl.LOCK_UN)  # the old lock goes first...
+            lock = os.open(store.cache_dir / EVICT_LOCK, os.O_RDWR)
+            try:
+                flock(lock, fcntl.LOCK_EX)
+                fired.append(usage.settle(lock, store.cache_dir))  # ...a settle runs...
+            finally:
+                os.close(lock)
+        return flock(fd, op)  # ...then the new one is taken
+
+    monkeypatch.setattr(fcntl, "flock", converting)
+    tmp.publish()
+    monkeypatch.undo()
+    assert fired, "the settle ran in the conversion's gap"
+    assert store.path("chunk-0-0.bin").read_bytes() == b"x" * SIZE
+    assert fired[0].pending == [], "settled as published"
+    assert store.used_bytes() == SIZE
+    lock = os.open(store.cache_dir / EVICT_LOCK, os.O_RDWR)
+    try:
+        ledger = usage.read_ledger(lock)
+    finally:
+        os.close(lock)
+    assert ledger is not None and ledger.used == SIZE, "its bytes stay counted"
