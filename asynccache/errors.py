@@ -34,7 +34,8 @@ Each class also inherits the builtin a caller would already catch, so
     │   └── InputTimeoutError (TimeoutError)  fn ran past optimize's input_timeout_s (named)
     ├── WorkerDiedError (RuntimeError)     an optimize worker process died; a rerun resumes
     ├── WorkerStartError (TimeoutError)    a DataLoader's workers did not start in time
-    └── BridgeError (RuntimeError)         misuse of the I/O thread (e.g. a call from inside it)
+    └── BridgeError (RuntimeError)         misuse of the I/O thread (a call from inside it), or a
+                                           dataset closed while another thread's read waited
 
 Lower-layer exceptions are translated at the layer boundary and always chained
 with ``raise ... from exc``, so the original cause stays in the traceback.
@@ -241,4 +242,5 @@ class ResumeStateError(AsyncCacheError, ValueError):
 
 
 class BridgeError(AsyncCacheError, RuntimeError):
-    """The I/O thread was misused, e.g. a blocking call from inside its own loop."""
+    """The I/O thread was misused (a blocking call from inside its own loop), or a dataset
+    was closed while another thread's read waited for one of its chunks."""

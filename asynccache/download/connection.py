@@ -18,7 +18,11 @@ from ..cache.store import ChunkStore
 from ..storage.base import Storage
 from .downloader import Downloader
 
-__all__ = ["Connection"]
+__all__ = ["CANCEL_WAIT_S", "Connection"]
+
+#: How long :meth:`Connection.close` waits for its downloads to end once cancelled. A
+#: cancelled part stops at once; a chunk in its verify and publish finishes them first.
+CANCEL_WAIT_S = 10.0
 
 
 class Connection:
@@ -34,10 +38,15 @@ class Connection:
         * ``pinned`` counts the pins taken through this connection, so a pin is only ever
           released into the store that granted it (not into a later connection's store
           after a close or a fork).
-        * :meth:`close` is idempotent and never blocks: downloads are cancelled, then the
-          session closed, on the I/O thread (``close_soon``); pins are released at once.
-          A garbage-collection finalizer does not call it: it posts it to the I/O thread
-          (:meth:`LoopThread.post`), since a collection may run while a lock it takes is held.
+        * :meth:`close` is idempotent and final: called from any thread but the I/O
+          thread, it cancels the downloads and waits for them to end (bounded by
+          :data:`CANCEL_WAIT_S`; a chunk whose verify and publish had begun is published
+          first), then releases the pins, so no chunk lands in the cache after it returns
+          and the store's close trims what is there. The session is closed later on the
+          I/O thread (``close_soon``). On the I/O thread itself (at interpreter exit, or
+          posted there by a garbage-collection finalizer, since a collection may run while
+          a lock it takes is held) it cannot wait: the downloads are cancelled after the
+          pins are released, as the I/O thread gets to it.
     """
 
     def __init__(self, storage: Storage, loop_thread: LoopThread) -> None:
@@ -67,7 +76,9 @@ class Connection:
         self.store, self.downloader = store, downloader
 
     def close(self) -> None:
-        """Release everything, without waiting for the session to finish closing."""
+        """Cancel the downloads and release everything, without waiting for the session
+        to finish closing. The caller must not hold a lock that the I/O thread may take
+        (a reservation on a full disk calls the dataset's ``shed``)."""
         if self.pid != os.getpid():
             return  # a forked child: nothing here is ours to close
         with self._mu:
@@ -75,6 +86,8 @@ class Connection:
                 return
             self._closed = True
         self._unregister()
+        if self.downloader is not None and not self._lt.in_loop_thread():
+            self.downloader.close(CANCEL_WAIT_S)  # before the pins: nothing lands after
         if self.store is not None:
             self.store.close()
         self._lt.close_soon(self._aclose)

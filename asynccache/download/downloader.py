@@ -25,6 +25,7 @@ from ..cache.plan import Deferred
 from ..cache.store import ChunkStore
 from ..config import Settings
 from ..errors import (
+    BridgeError,
     ChecksumMismatchError,
     DatasetRewrittenError,
     DiskFullError,
@@ -252,9 +253,11 @@ class Downloader:
 
         Waits in slices; gives up with :class:`StorageTimeoutError` only when the download
         showed no sign of life (bytes, a new attempt, a phase with its own bound) for
-        :attr:`stall_s`, so a large chunk on a slow but live link is waited for. On any
-        exit without a result (timeout, ``KeyboardInterrupt``) ``fut`` is cancelled, which
-        cancels the download unless another caller still wants it.
+        :attr:`stall_s`, so a large chunk on a slow but live link is waited for. A close of
+        this downloader (its dataset's) from another thread meanwhile raises
+        :class:`BridgeError`. On any exit without a result (timeout,
+        ``KeyboardInterrupt``) ``fut`` is cancelled, which cancels the download unless
+        another caller still wants it.
         """
         start = time.monotonic()
         try:
@@ -264,6 +267,13 @@ class Downloader:
                 except concurrent.futures.TimeoutError:
                     if fut.done():  # the download's own error: TimeoutError is that class
                         raise
+                except concurrent.futures.CancelledError:
+                    if not self._closed:
+                        raise
+                    url = self.storage.object_url(name)
+                    raise BridgeError(
+                        f"{url}: the dataset was closed while a read waited for this chunk",
+                    ) from None
                 now = time.monotonic()
                 clock = self._clocks.get(name, self._all)
                 idle = min(now - start, clock.idle_s(now))

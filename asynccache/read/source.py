@@ -89,11 +89,6 @@ class _Slot:
     def __init__(self) -> None:
         self.conn: Connection | None = None
 
-    def close(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.close()
-
     def close_from_finalizer(self) -> None:
         """Hand the close to the I/O thread: a collection may run while this thread
         holds one of the locks that :meth:`Connection.close` takes."""
@@ -279,15 +274,19 @@ class DatasetSource:
         Closes the descriptors it holds here (the plan's board, pins, the session's
         sockets). Waits (bounded by ``timeout_s``) for the publishes of chunks this
         process read before their publish ended, so what it read is in the cache once
-        this returns;
-        not for the session to finish closing (the I/O thread does that). A closed source
+        this returns; then cancels the downloads and waits (bounded) for them to end, so
+        nothing lands in the cache after (a read waiting on one raises
+        :class:`.BridgeError`); not for the session to finish closing (the I/O thread
+        does that). A closed source
         opens a new connection if it is used again. Garbage collection and interpreter
         exit close it too.
         """
         self.wait_published()
         with self._mu:
-            self._slot.close()
+            conn, self._slot.conn = self._slot.conn, None
             follow = self._follow if self._follow_pid == os.getpid() else None
+        if conn is not None:
+            conn.close()  # not under the lock: the I/O thread may need it to wind down
         if follow is not None:
             follow.close()  # its board's descriptor (opened again if the plan goes on)
 
