@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # The CPU build of torch is installed first so that nothing later pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# make test runs the suite on this many processes (pytest-xdist; each has its own servers
+# and temporary directory, a test file stays on one); 0: in this process alone.
+TEST_WORKERS ?= 2
 
 .PHONY: install test lint typecheck demo bench bench-compare clean
 
@@ -24,7 +27,7 @@ node_modules/.installed: package.json package-lock.json
 install: $(VENV)/.installed node_modules/.installed
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check asynccache tests examples benchmarks

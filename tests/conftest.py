@@ -11,7 +11,10 @@ Every temporary file of a run (ours, ``multiprocessing``'s, the object store's s
 this process and every child, which inherit ``TMPDIR``) goes under one directory per run,
 removed at the end. Temporary files of the library that outlive every test and fixture
 (an upload's temp file, an ``optimize`` staging directory, a server's directory) fail
-the run, each named with the test during which it appeared.
+the run, each named with the test during which it appeared. With ``pytest -n N``
+(pytest-xdist, as ``make test`` runs it) each worker process has its own directory (inside
+the controller's) and its own servers, and reports what it found left behind to the
+controller, which fails the run.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ _FORKSERVER_PRELOAD = [
 
 # Names the library and its test servers give their temporary files and directories.
 _OURS = ("asynccache-", "optimize-shards-", "seaweedfs-")
+# A run's own directory (pytest_configure); an xdist worker's lies in the controller's.
+_RUN_PREFIX = "asynccache-tests-"
 _RUN_TMP: dict[str, str] = {}
 
 
@@ -58,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if "run" in _RUN_TMP:
         return
     multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    run = tempfile.mkdtemp(prefix="asynccache-tests-")
+    run = tempfile.mkdtemp(prefix=_RUN_PREFIX)
     _RUN_TMP.update(run=run, before=os.environ.get("TMPDIR", ""))
     os.environ["TMPDIR"] = run
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
@@ -85,7 +90,11 @@ def _leftovers() -> set[str]:
     run = _RUN_TMP.get("run")
     if run is None:
         return set()
-    return {name for name in os.listdir(run) if name.startswith(_OURS)}
+    return {
+        name
+        for name in os.listdir(run)
+        if name.startswith(_OURS) and not name.startswith(_RUN_PREFIX)
+    }
 
 
 # Each temporary entry of ours, by the test during which it appeared.
@@ -101,13 +110,31 @@ def _note_temp_files(request: pytest.FixtureRequest) -> Iterator[None]:
         _BORN.setdefault(name, request.node.nodeid)
 
 
+# What the xdist workers reported left behind (in the controller).
+_WORKERS_LEFT: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a run without it
+def pytest_testnodedown(node: object, error: object) -> None:
+    """An xdist worker is done: keep what it reported left behind (controller only)."""
+    output = getattr(node, "workeroutput", None) or {}
+    _WORKERS_LEFT.extend(output.get("asynccache_leftovers", []))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if temporary files of the library outlive every test and fixture
-    (servers of a module or of the run included: they are stopped by now)."""
-    left = sorted(_leftovers())
-    if not left:
+    (servers of a module or of the run included: they are stopped by now). An xdist
+    worker hands its findings to the controller (``workeroutput``), which fails the run."""
+    lines = [
+        f"  {name}  (appeared during {_BORN.get(name, 'no test')})" for name in sorted(_leftovers())
+    ]
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["asynccache_leftovers"] = lines
         return
-    lines = [f"  {name}  (appeared during {_BORN.get(name, 'no test')})" for name in left]
+    lines += _WORKERS_LEFT
+    if not lines:
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "temporary files left behind", red=True)
