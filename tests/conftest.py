@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from asynccache.download import link
 from asynccache.testing import ObjectStore, StaticHTTPServer
 
 # What the run's one fork server imports before it forks anything. multiprocessing keeps one
@@ -119,6 +120,14 @@ def pytest_testnodedown(node: object, error: object) -> None:
     """An xdist worker is done: keep what it reported left behind (controller only)."""
     output = getattr(node, "workeroutput", None) or {}
     _WORKERS_LEFT.extend(output.get("asynccache_leftovers", []))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_links() -> None:
+    """Each test measures its own links: a loopback port that an earlier test's server had
+    (now another server's) must not carry that server's first-byte waits into this test
+    (the process's link estimates are kept per endpoint, ``download/link.py``)."""
+    link.forget()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -280,11 +280,16 @@ def link_for(endpoint: str) -> LinkEstimate:
         return link
 
 
-def forget(endpoint: str) -> None:
-    """Drop what this process measured of ``endpoint`` (a benchmark that changes the link
-    behind one endpoint between runs; a link does not change like that in use)."""
+def forget(endpoint: str | None = None) -> None:
+    """Drop what this process measured of ``endpoint`` (None: of every endpoint). For a
+    benchmark that changes the link behind one endpoint between runs, or tests whose
+    servers take loopback ports other servers had before them; a link does not change
+    like that in use."""
     with _LINKS.mu:
-        _LINKS.by_endpoint.pop(endpoint, None)
+        if endpoint is None:
+            _LINKS.by_endpoint.clear()
+        else:
+            _LINKS.by_endpoint.pop(endpoint, None)
 
 
 def endpoint_of(storage: object) -> str:

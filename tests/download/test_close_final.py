@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from pathlib import Path
+from unittest import mock
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import asynccache.download.downloader as downloader_mod
+from asynccache import CacheDataLoader, StreamingDataset
+from asynccache.config import Settings
 from asynccache.errors import BridgeError
 from asynccache.read.source import DatasetSource
 from tests.remote_data import upload_dataset, write_dataset
@@ -70,3 +76,65 @@ def test_a_download_verifying_at_close_lands_before_close_returns(
     # What survived: the chunk whose verify had begun, published; no temporary file.
     assert not [n for n in after if n.endswith(".tmp")], after
     assert src.index.filename(0) in after, after
+
+
+@pytest.fixture(scope="module")
+def twelve_chunks(objstore, tmp_path_factory):
+    """12 chunks of about 128 KiB in a bucket of this module; the directory they came from."""
+    src = write_dataset(tmp_path_factory.mktemp("src12"), 24, chunk_size=2, pad=64 << 10)
+    name = f"close-{uuid.uuid4().hex[:12]}"
+    objstore.create_bucket(name)
+    yield upload_dataset(src, f"s3://{name}/ds", objstore.storage_options), src
+    objstore.delete_bucket(name)
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    batches=st.integers(0, 12),
+    prefetch=st.sampled_from([1, 4, 12]),
+    verify_s=st.sampled_from([0.0, 0.05]),
+)
+def test_close_at_any_point_of_an_epoch_is_final(
+    twelve_chunks, objstore, tmp_path_factory, batches, prefetch, verify_s
+) -> None:
+    """A loop that leaves an epoch after ``batches`` batches (one chunk each; the epoch's
+    prefetches in flight, each chunk's verify taking ``verify_s`` more) and closes the
+    dataset: nothing lands after the close, no temporary file is left, every chunk left
+    is whole, and the closed dataset reads again."""
+    url, src_dir = twelve_chunks
+    cache = tmp_path_factory.mktemp("close-cache")
+    options = Settings.from_env(progress=False, prefetch_chunks=prefetch)
+    real = downloader_mod._verify_and_publish
+
+    def slow_verify(tmp, spec, *args, **kwargs):
+        if spec.name.startswith("chunk-"):
+            time.sleep(verify_s)
+        return real(tmp, spec, *args, **kwargs)
+
+    ds = StreamingDataset(
+        url, cache_dir=cache, storage_options=objstore.storage_options, settings=options
+    )
+    with mock.patch.object(downloader_mod, "_verify_and_publish", slow_verify):
+        loader = CacheDataLoader(ds, batch_size=2, num_workers=0)
+        it = iter(loader)
+        seen = [next(it) for _ in range(batches)]
+        assert [int(i) for b in seen for i in b["i"]] == list(range(2 * batches))
+        del it
+        ds.close()
+    at_close = {p.name: p.stat().st_size for p in cache.rglob("*.bin*") if p.is_file()}
+    time.sleep(0.3)  # a download the close missed would land now
+    after = {p.name: p.stat().st_size for p in cache.rglob("*.bin*") if p.is_file()}
+    assert after == at_close
+    assert not [n for n in after if n.endswith(".tmp")], after
+    for name in after:
+        if name.endswith(".bin"):
+            cached = next(cache.rglob(name)).read_bytes()
+            assert cached == (src_dir / name).read_bytes(), name
+    # A closed dataset reconnects when used again.
+    assert ds[2 * batches % 24]["i"] == 2 * batches % 24
+    ds.close()
