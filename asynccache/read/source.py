@@ -277,9 +277,8 @@ class DatasetSource:
         this returns; then cancels the downloads and waits (bounded) for them to end, so
         nothing lands in the cache after (a read waiting on one raises
         :class:`.BridgeError`); not for the session to finish closing (the I/O thread
-        does that). A closed source
-        opens a new connection if it is used again. Garbage collection and interpreter
-        exit close it too.
+        does that). A closed source opens a new connection if it is used again. Garbage
+        collection and interpreter exit close it too.
         """
         self.wait_published()
         with self._mu:
