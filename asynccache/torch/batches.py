@@ -284,16 +284,18 @@ class Pool:
                 self.inherited.add(k)
                 count(self.block, self.row, "adopted_buffers")
 
-    def borrow_idle(self, want: int) -> int:
+    def borrow_idle(self, want: int, busy_rows: int = ROWS) -> int:
         """The consumer's own pool (``here``), before its workers fork: take over as many
         buffers as it lacks for ``want`` batches from those it keeps mapped from worker
         rows whose owner is gone (an earlier epoch's workers), each free (the consumer
-        holds nothing of it): one of each row before a second of any, largest first. A
-        buffer taken leaves the row: no worker forked later adopts it (that row makes a
-        fresh one if it needs it), so taking them row by row leaves each row's next worker
-        one to adopt where there are enough. So the first batches this process builds go
-        into pages already in memory, not fresh ones (256 MiB of fresh pages: 0.2 s of
-        faults). The number taken."""
+        holds nothing of it). A buffer taken leaves the row: no worker forked later adopts
+        it (that row makes a fresh one if it needs it). So it takes first from the rows at
+        and after ``busy_rows`` (by default none), whose next workers build no batch in their
+        first round; then one of each busy row before a second of any, the last row first
+        (its worker's first batch comes last); largest first within each. So the first
+        batches this process builds go into pages already in memory, not fresh ones
+        (256 MiB of fresh pages: 0.2 s of faults), and each worker that builds a batch soon
+        still has one to adopt where there are enough. The number taken."""
         assert self.here, "only the consumer's pool borrows its idle buffers"
         maps = _MAPS.get(self.token)
         empty = [k for k in range(POOL_SLOTS) if self.cells[k] == 0 and k not in self.memory]
@@ -322,10 +324,12 @@ class Pool:
         nth: dict[int, int] = {}  # row -> its buffers placed so far
         order = []
         for size, key in idle:  # the largest of each row, then each row's second, ...
-            nth[key[0]] = nth.get(key[0], 0) + 1
-            order.append((nth[key[0]], -size, key))
+            row = key[0]
+            nth[row] = nth.get(row, 0) + 1
+            busy = row < busy_rows
+            order.append((busy, nth[row] if busy else 0, -size, -row, key))
         order.sort()
-        for k, (_, _, key) in zip(empty[:need], order, strict=False):
+        for k, (*_, key) in zip(empty[:need], order, strict=False):
             self.memory[k] = maps.pop(key)[1]
             self.inherited.add(k)
             count(self.block, self.row, "borrowed_buffers")

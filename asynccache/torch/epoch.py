@@ -427,12 +427,13 @@ class EpochDataset(IterableDataset[Any]):
         receives next, to be built here (:mod:`.lead`); the workers then leave them out.
         None, and the workers start as usual, unless whole batches come from the workers
         and more than one batch of this rank's epoch is left."""
-        runs = self._lead()
-        if runs is None:
+        led = self._lead()
+        if led is None:
             return None
+        runs, busy = led
         no = self._lead_no
         # (Before the workers fork: a buffer borrowed now is never adopted by one of them.)
-        self._batch_pool(batches.MAIN_ROW, here=True).borrow_idle(len(runs))
+        self._batch_pool(batches.MAIN_ROW, here=True).borrow_idle(len(runs), busy)
         return FirstBatches(
             runs,
             self.settings.worker_start_s,
@@ -444,7 +445,9 @@ class EpochDataset(IterableDataset[Any]):
             done=lambda: self._lead_done(no),
         )
 
-    def _lead(self) -> list[np.ndarray] | None:
+    def _lead(self) -> tuple[list[np.ndarray], int] | None:
+        """The lead runs, and how many of the workers build a batch in their first round
+        after them (the rest build none this epoch)."""
         self._head = 0
         if not self.reads:
             self._publish()
@@ -472,7 +475,8 @@ class EpochDataset(IterableDataset[Any]):
         self._publish()
         self._lead_last = self._lead_batches + len(runs)
         self._head_start(p, order, pr.received + self._head)
-        return runs
+        left = p.rank_samples - pr.received - self._head
+        return runs, min(pr.num_workers, -(-left // bs))
 
     def _lead_batch(self, keys: np.ndarray) -> Any:
         """The batch of units ``keys`` (a lead run), built here: the same bytes a worker

@@ -236,15 +236,42 @@ def test_the_consumers_lead_borrows_one_buffer_of_each_gone_row_before_a_second(
 
 
 @linux
+def test_the_lead_borrows_from_the_rows_whose_workers_build_nothing_first():
+    """An epoch of two batches, the first built by the consumer: worker 1 builds none. Two
+    gone workers left one buffer each; the lead takes row 1's, and worker 0, which builds
+    the epoch's other batch, still has its own to adopt (taking row 0's had it write that
+    batch into 256 MiB of fresh pages for 4 MiB items, 0.1 s later than with none lead)."""
+    c = Consumer()
+    other: batches.Pool | None = batches.Pool(c.block, c.token, ROW + 1)
+    assert c.pool is not None and other is not None
+    for pool in (c.pool, other):
+        held = _send(pool, 1)
+        del held
+    c.pool = other = pool = None
+    for row in (ROW, ROW + 1):
+        batches.table(c.block)[row, batches._OWNER] = 0  # the workers are gone
+    main = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True)
+    assert main.borrow_idle(1, busy_rows=ROW + 1) == 1
+    assert [row for row, _ in batches._MAPS[c.token]] == [ROW], "row ROW + 1's was taken"
+    before = c.counters()["adopted_buffers"]
+    worker = batches.Pool(c.block, c.token, ROW)
+    assert c.counters()["adopted_buffers"] == before + 1, "the busy row's worker adopts"
+    del worker
+
+
+@linux
 @settings(max_examples=25, deadline=None)
 @given(
     free=st.lists(st.integers(0, 3), min_size=1, max_size=3),
     want=st.integers(1, batches.POOL_SLOTS),
+    busy=st.integers(0, 3),
 )
-def test_the_lead_borrows_evenly_across_gone_rows(free, want):
-    """Whatever free buffers the gone rows left and however many the lead wants, it takes
-    ``min(want, their number)``, and one more of a row only when every row with buffers
-    left has given as many: the rows' next workers keep as many to adopt as can be."""
+def test_the_lead_borrows_evenly_across_gone_rows(free, want, busy):
+    """Whatever free buffers the gone rows left, however many the lead wants and however
+    many of the rows' next workers build a batch soon (the busy ones, rows below
+    ``busy_rows``), it takes ``min(want, their number)``: first all it needs of the rows
+    that are not busy, and of a busy row one more only when every busy row with buffers
+    left has given as many. The busy rows' next workers keep as many to adopt as can be."""
     c = Consumer()
     c.pool = None
     for i, k in enumerate(free):
@@ -255,13 +282,38 @@ def test_the_lead_borrows_evenly_across_gone_rows(free, want):
         pool = None
         batches.table(c.block)[ROW + i, batches._OWNER] = 0  # that worker is gone
     main = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True)
-    got = main.borrow_idle(want)
+    got = main.borrow_idle(want, busy_rows=ROW + busy)
     assert got == min(want, sum(free), batches.POOL_SLOTS)
     left = [
         sum(1 for row, _ in batches._MAPS.get(c.token, {}) if row == ROW + i)
         for i in range(len(free))
     ]
     taken = [k - n for k, n in zip(free, left, strict=True)]
-    for t in taken:  # a row gave its t-th: every other gave t - 1, or all it had
-        for k, other in zip(free, taken, strict=True):
-            assert other >= min(k, t - 1), (free, want, taken)
+    spare = [i for i in range(len(free)) if i >= busy]
+    if any(taken[i] for i in range(min(busy, len(free)))):
+        assert all(left[i] == 0 for i in spare), "a spare row's buffer was left"
+    busy_taken = [(free[i], taken[i]) for i in range(min(busy, len(free)))]
+    for _, t in busy_taken:  # a busy row gave its t-th: every other gave t - 1, or all
+        for k, other in busy_taken:
+            assert other >= min(k, t - 1), (free, want, busy, taken)
+
+
+@linux
+def test_a_lead_after_an_epoch_without_one_leaves_the_busy_worker_its_buffer(fixed, monkeypatch):
+    """An epoch of two batches whose first the main process builds: the other comes from
+    worker 0, and worker 1 builds none. After an epoch the workers built alone (a cold one
+    whose first items were too large to read by range), the lead borrows worker 1's idle
+    buffer, and worker 0 writes into its own: the second epoch makes no new buffer."""
+    ds = StreamingDataset(fixed)
+    dl = CacheDataLoader(ds, batch_size=N // 2, num_workers=2, multiprocessing_context="fork")
+    with monkeypatch.context() as m:
+        m.setattr(CacheDataLoader, "_leads", lambda self, ds: False)
+        assert sum(len(b["y"]) for b in dl) == N
+    first = ds.batch_stats()
+    assert first["pooled_buffers"] == 2 and first["borrowed_buffers"] == 0
+    assert sum(len(b["y"]) for b in dl) == N
+    second = ds.batch_stats()
+    assert ds.lead_stats.batches == 1, "the main process built the first batch"
+    assert second["borrowed_buffers"] == 1
+    assert second["adopted_buffers"] - first["adopted_buffers"] == 1, "worker 0 adopted"
+    assert second["pooled_buffers"] == first["pooled_buffers"], "no new buffer"
