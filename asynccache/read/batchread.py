@@ -451,7 +451,8 @@ class ChunkForms:
         block = max(1, _GATHER_BYTES // (int(lens.max(initial=0)) + 16))
         for a in range(0, len(todo), block):
             rows = headers.gather(self.u8, starts[a : a + block], lens[a : a + block])
-            self._read(todo[a : a + block], rows, lens[a : a + block])
+            if not self._read(todo[a : a + block], rows, lens[a : a + block]):
+                return
 
     def _file_headers(self, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The headers of items ``[starts, ends)`` read from the chunk's file, a ``preadv``
@@ -483,18 +484,22 @@ class ChunkForms:
             rows = wide
         return rows[:, 4:], lens
 
-    def _read(self, todo: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> None:
-        """Assign a form (or none) to items ``todo``, whose headers are ``rows``."""
+    def _read(self, todo: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> bool:
+        """Assign a form (or none) to items ``todo``, whose headers are ``rows``. False
+        when the chunk turned out to be one of many shapes: ``_NEW_TEMPLATES`` new
+        templates left some of them unread, and every item of the chunk not read yet gets
+        none (collated; its header is never read here)."""
         left = np.flatnonzero(lens >= 0)
         for known in list(self.cache.known):
             if not len(left):
-                return
+                return True
             left = self._apply(known, todo, rows, lens, left)
         new = 0
         while len(left):
             if new == _NEW_TEMPLATES:  # a chunk of many shapes: the rest are collated
                 self.form_id[todo[left]] = -1
-                return
+                self.form_id[self.form_id == -2] = -1
+                return False
             j = int(left[0])
             tpl = headers.compile_header(rows[j, : lens[j]].tobytes())
             if tpl is None:
@@ -508,6 +513,7 @@ class ChunkForms:
                 self.form_id[todo[j]] = -1
                 after = after[1:]
             left = after
+        return True
 
     def _apply(
         self, known: _Known, todo: np.ndarray, rows: np.ndarray, lens: np.ndarray, left: np.ndarray
@@ -516,10 +522,14 @@ class ChunkForms:
         none when a buffer lies outside the item); returns the others."""
         sub = rows if len(left) == len(rows) else rows[left]
         ok, cols = headers.match(known.template, sub, lens[left])
-        if not ok.any():
-            return left
-        self.cache._used(known)
         hit = np.flatnonzero(ok)
+        if not len(hit):
+            return left
+        if len(hit) > 1 or known in self.cache.known:
+            # (A new template that read one header alone is not kept for other chunks:
+            # ragged arrays, each of its own shape, would fill the list with templates
+            # that every later chunk tries in vain.)
+            self.cache._used(known)
         p = todo[left[hit]]
         form = known.form
         if form is None:

@@ -387,6 +387,43 @@ def test_a_header_template_is_learned_once_per_dataset(tmp_path):
     assert len(cache.known) == 1
 
 
+def test_chunks_of_many_shapes_are_learned_once_and_teach_no_template(tmp_path, monkeypatch):
+    """Ragged arrays, each of its own length: a chunk's first ask cuts its few templates,
+    finds the chunk is one of many shapes, and gives every item of it no form (no second
+    ask reads the rest of its headers); a template that read one header alone is not kept,
+    so the next chunk tries none of them in vain (before: two asks a chunk, each trying
+    the 16 templates kept from earlier chunks, 0.14 of a worker's 0.53 s of an epoch).
+    Items of two shapes keep their two templates, and their batches still have a form."""
+    from asynccache.format import headers
+    from asynccache.read import batchread
+
+    matches: list[int] = []
+    real = headers.match
+    monkeypatch.setattr(headers, "match", lambda *a: matches.append(1) or real(*a))
+    cache = FormCache(4, objects=True)
+    for c in range(3):
+        items = [np.arange(100 * c + i + 1, dtype=np.uint8) for i in range(40)]
+        mm = write_chunk(tmp_path / f"r{c}.bin", items)
+        cf = cache.get(c, mm, offsets_of(mm))
+        before = len(matches)
+        assert cf.form_of(np.arange(5, 21)) is None
+        assert (cf.form_id != -2).all(), "the chunk's first ask settled every item"
+        assert cf.form_of(np.arange(21, 37)) is None
+        assert len(matches) - before <= batchread._NEW_TEMPLATES
+        assert cache.known == [], "no template of one header is kept"
+    chunks = []
+    for c in range(2):
+        items = [{"x": np.full(3 + i % 2, i, np.int32), "y": i} for i in range(40)]
+        mm = write_chunk(tmp_path / f"two{c}.bin", items)
+        chunks.append((mm, offsets_of(mm)))
+        cf = cache.get(10 + c, *chunks[-1])
+        assert cf.form_of(np.arange(0, 40, 2)) is not None
+        assert cf.form_of(np.arange(1, 40, 2)) is not None
+    assert len(cache.known) == 2
+    picks = [(c, p) for c in range(2) for p in range(0, 40, 2)]
+    same(batch_path(FormCache(2, objects=True), chunks, picks), per_item(chunks, picks))
+
+
 def test_learning_a_chunk_reads_each_header_once(tmp_path, monkeypatch):
     """The headers of a chunk's large items (labels of every msgpack width) are read at
     most once each (from the file: no page of the chunk mapped for them), and one template
