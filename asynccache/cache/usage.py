@@ -440,7 +440,9 @@ def _pending_state(path: str, e: Pending) -> tuple[str, int]:
 
 def _gone_or_published(path: str, st: os.stat_result | None) -> str:
     """``"published"`` when the temporary file ``path``, gone, has its final name now
-    (the same file, where ``st`` says which one it was), else ``"gone"``."""
+    (the same file, where ``st`` says which one it was), else ``"gone"``; ``"live"`` when
+    the final name can't be looked at (kept counted: errs high, as for a file that can't
+    be opened)."""
     head, tail = os.path.split(path)
     if not is_temp_name(tail):
         return "gone"
@@ -448,6 +450,8 @@ def _gone_or_published(path: str, st: os.stat_result | None) -> str:
         final = os.stat(os.path.join(head, temp_final_name(tail)))
     except FileNotFoundError:
         return "gone"
+    except OSError:
+        return "live"
     if st is not None and (final.st_dev, final.st_ino) != (st.st_dev, st.st_ino):
         return "gone"
     return "published"

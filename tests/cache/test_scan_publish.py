@@ -196,3 +196,37 @@ def test_a_publish_survives_a_lock_conversion_that_lets_a_settle_in(tmp_path, mo
     finally:
         os.close(lock)
     assert ledger is not None and ledger.used == SIZE, "its bytes stay counted"
+
+
+def test_a_settle_that_cannot_look_at_a_final_name_keeps_counting_the_entry(
+    tmp_path, monkeypatch
+) -> None:
+    """A pending entry's temporary file is gone, and its chunk's name can't be looked at
+    (permission, I/O error): the settle keeps the entry counted, as for a file it can't
+    open (errs high), where it raised that error before."""
+    from asynccache.cache.fsutil import temp_name
+
+    base = str(tmp_path)
+    final = os.path.join(base, "chunk-0-1.bin")
+    tmp = temp_name(final)
+    fd = os.open(tmp, os.O_CREAT | os.O_RDWR, 0o600)
+    entry = usage.pending_of(tmp, fd, 1000, base)
+    os.close(fd)
+    os.unlink(tmp)
+    lock = os.open(os.path.join(base, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    usage.write_pending(lock, [entry])
+    looked: list[str] = []
+    real = os.stat
+
+    def stat(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.fspath(path) == final:
+            looked.append(final)
+            raise PermissionError(13, "Permission denied", final)
+        return real(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(usage.os, "stat", stat)
+        settled = usage.settle(lock, base)
+    os.close(lock)
+    assert looked, "the settle looked at the chunk's name"
+    assert settled.pending == [entry] and settled.unallocated == 1000
