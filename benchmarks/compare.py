@@ -1422,6 +1422,9 @@ def verdicts(r: ShapeRun, lib: Lib) -> str:
     ]
     cpu = med(e.cpu for e in lib.cold) / gib
     cpu_iii = med(c.cpu for c in lim.ceiling) / gib
+    # Each repetition's cold CPU against its own (iii)'s, as the table's column (the
+    # machine's cost of a fresh page moves between repetitions, both alike).
+    cpu_x = med(e.cpu / c.cpu for e, c in zip(lib.cold, lim.ceiling, strict=False) if c.cpu)
     for what, got, want, shuffled in checks:
         if got >= want:
             continue
@@ -1439,14 +1442,14 @@ def verdicts(r: ShapeRun, lib: Lib) -> str:
                 "with (i-b) for (i)"
             )
         missed.append(f"{what} {got:.2f} < {want:g} ({why})")
-    if cpu > cpu_iii:
+    if cpu_x > 1:
         # What landing the bytes in files costs the client beside (iii), which holds them.
         files = med(g.cpu for g in lim.raw_get_files) / gib
         # A cold epoch both lands the bytes in files and builds the batches: (i-b) + (iii)
         # is what doing both costs at the bare minimum here.
         missed.append(
-            f"CPU {cpu:.2f} > (iii)'s {cpu_iii:.2f} s/GiB ((i-b)'s client CPU {files:.2f}; "
-            f"(i-b) + (iii): {files + cpu_iii:.2f})"
+            f"CPU {cpu_x:.2f} of (iii)'s ({cpu:.2f} against {cpu_iii:.2f} s/GiB; (i-b)'s "
+            f"client CPU {files:.2f}; (i-b) + (iii): {files + cpu_iii:.2f})"
         )
     return "met" if not missed else "not met: " + "; ".join(missed)
 
