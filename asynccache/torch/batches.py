@@ -64,7 +64,7 @@ import torch
 
 from ..bridge.lifeline import pid_alive
 from ..errors import ConfigError
-from ..format.memory import HUGE_FROM, fresh_bytes, populate
+from ..format.memory import fresh_bytes, populate
 from ..read.batchread import OBJECT_KINDS, Form
 
 POOL_SLOTS = 8  # pooled buffers per worker, at most
@@ -92,16 +92,6 @@ _BLOCKS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDicti
 # The consumer's mappings of the workers' pooled buffers: token -> (row, slot) ->
 # (buffer id, uint8 numpy array over the shared storage).
 _MAPS: dict[str, dict[tuple[int, int], tuple[int, np.ndarray]]] = {}
-
-
-def _made_for_writing(buf: np.ndarray) -> None:
-    """A new buffer of a batch about to be written: its pages made in one call
-    (``MADV_POPULATE_WRITE``, :func:`~asynccache.format.memory.populate`) rather than a
-    fault per page as the batch is copied in; a buffer of 256 MiB, made and filled: 0.17 s
-    of CPU against 0.24-0.25 in shared memory, 0.19 against 0.26 in anonymous memory.
-    Below :data:`~asynccache.format.memory.HUGE_FROM` (heap memory, few pages) nothing."""
-    if buf.nbytes >= HUGE_FROM:
-        populate(buf)
 
 
 def shared_bytes(n: int) -> torch.Tensor:
@@ -372,7 +362,6 @@ class Pool:
                     if mem is None:
                         count(self.block, self.row, "pooled_buffers")
                     mem = self.memory[k] = fresh_bytes(nbytes)
-                    _made_for_writing(mem)
                 elif k in self.inherited:  # (borrowed: the pages exist, as for adopted ones)
                     populate(mem[:nbytes])
                 self.inherited.discard(k)
@@ -382,7 +371,6 @@ class Pool:
                 if buf is None:
                     count(self.block, self.row, "pooled_buffers")
                 buf = self.buffers[k] = shared_bytes(nbytes)
-                _made_for_writing(buf.numpy())
                 self.ids[k] = self._id()
             elif k in self.inherited:
                 # Its pages exist, but not in this process's page tables: mapped in one

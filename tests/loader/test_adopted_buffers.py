@@ -11,16 +11,13 @@ workers over several epochs, under fork (adopted) and spawn (nothing to adopt).
 from __future__ import annotations
 
 import copy
-import mmap
 import multiprocessing as mp
-import resource
 import secrets
 import sys
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing  # (registers torch's reductions with the pickler)
@@ -28,7 +25,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccache import CacheDataLoader, StreamingDataset
-from asynccache.format.memory import populate
 from asynccache.read.batchread import Form, Leaf
 from asynccache.torch import batches
 from tests.loader.test_batch import Fixed, N, per_item, same, write
@@ -92,35 +88,6 @@ def test_an_adopted_buffer_is_populated_once_before_its_first_write(monkeypatch)
     assert calls == [ROW_BYTES] and not c.pool.inherited
     c.send(3)
     assert calls == [ROW_BYTES], "populated once"
-
-
-@linux
-@pytest.mark.parametrize("here", [False, True], ids=["worker", "consumer"])
-def test_a_new_large_buffer_has_its_pages_before_the_batch_is_written(here, monkeypatch):
-    """A fresh buffer of a large batch (shared memory in a worker, anonymous memory in the
-    consumer) gets its pages in one call when it is made (``MADV_POPULATE_WRITE``): the
-    batch's copy into it takes almost no page fault, where it took one per page before
-    (256 MiB: 0.17 s of CPU against 0.24-0.25). Taken again, it is not populated again; a
-    small one (heap memory) is left as it is."""
-    if not populate(np.zeros(1 << 20, np.uint8)):
-        pytest.skip("the kernel does not offer MADV_POPULATE_WRITE")
-    c = Consumer()
-    pool = batches.Pool(c.block, c.token, batches.MAIN_ROW, here=True) if here else c.pool
-    assert pool is not None
-    big = 16 << 20
-    slot, buf = pool.take(big)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    buf.numpy()[:big] = 7
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < big // mmap.PAGESIZE // 8, f"{faults} faults writing a new buffer"
-    calls: list[int] = []
-    monkeypatch.setattr(batches, "populate", lambda a: calls.append(a.nbytes) or populate(a))
-    again = pool.take(big)
-    assert again[0] == slot and again[1].data_ptr() == buf.data_ptr() and calls == []
-    small = Consumer()
-    assert small.pool is not None
-    small.pool.take(ROW_BYTES)
-    assert calls == [], "a small buffer is left as it is"
 
 
 @linux
