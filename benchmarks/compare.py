@@ -1424,7 +1424,9 @@ def verdicts(r: ShapeRun, lib: Lib) -> str:
     cpu_iii = med(c.cpu for c in lim.ceiling) / gib
     # Each repetition's cold CPU against its own (iii)'s, as the table's column (the
     # machine's cost of a fresh page moves between repetitions, both alike).
-    cpu_x = med(e.cpu / c.cpu for e, c in zip(lib.cold, lim.ceiling, strict=False) if c.cpu)
+    cpu_x = med(
+        [e.cpu / c.cpu for e, c in zip(lib.cold, lim.ceiling, strict=False) if c.cpu] or [0.0]
+    )
     for what, got, want, shuffled in checks:
         if got >= want:
             continue
