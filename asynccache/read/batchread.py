@@ -497,8 +497,7 @@ class ChunkForms:
         new = 0
         while len(left):
             if new == _NEW_TEMPLATES:  # a chunk of many shapes: the rest are collated
-                self.form_id[todo[left]] = -1
-                self.form_id[self.form_id == -2] = -1
+                self.form_id[self.form_id == -2] = -1  # (todo[left] among them)
                 return False
             j = int(left[0])
             tpl = headers.compile_header(rows[j, : lens[j]].tobytes())
