@@ -116,6 +116,7 @@ from typing import Any
 
 import limits
 import numpy as np
+from common import epoch_concurrency
 from shapes import SHAPES, RamShape, Shape, mosaic_samples, payload, ram_items, samples
 
 LIBS = ("asynccache", "litdata", "mosaic")
@@ -1102,15 +1103,12 @@ def run(args: argparse.Namespace) -> None:
     settings = Settings.from_env(progress=False)
     item_bytes, chunk_bytes = args.item_kb << 10, args.chunk_mb << 20
     n = max(1, (args.total_mb << 20) // item_bytes)
-    per_chunk = -(-chunk_bytes // settings.part_bytes)
-    concurrency = args.workers * max(
-        1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
-    )
+    concurrency = epoch_concurrency(settings, chunk_bytes, args.workers)
     link = parse_link(args.link) if args.link else None
     if args.link:
         # On a link each connection is capped: what the link allows is what every
         # connection the workers may open (the part size adapts to keep them busy) carries.
-        concurrency = args.workers * settings.max_concurrency
+        concurrency = max(1, args.workers) * settings.max_concurrency
     if link is None and (args.budget_mb is not None or args.budget):
         link = (0.0, 0)  # a proxy without link knobs, to count the bytes fetched
     budget = None if args.budget_mb is None else args.budget_mb << 20
@@ -1269,10 +1267,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         raise SystemExit(f"--libs: choose from {','.join(LIBS)}, asynccache included")
     settings = Settings.from_env(progress=False)
     chunk_bytes = args.chunk_mb << 20
-    per_chunk = -(-chunk_bytes // settings.part_bytes)
-    concurrency = args.workers * max(
-        1, min(settings.max_concurrency, settings.prefetch_chunks * per_chunk)
-    )
+    concurrency = epoch_concurrency(settings, chunk_bytes, args.workers)
     work = Path(tempfile.mkdtemp(prefix="asynccache-compare-"))
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_before = limits.loadavg()

@@ -379,3 +379,51 @@ def test_a_waiting_reader_finds_its_chunk_pinned_however_late_it_wakes(
         store.unpin("c0.bin")
         assert store.pinned() == {}
         assert dl.stats.chunks_fetched == 1 and dl.stats.hits == attempt
+
+
+def _counting_is_cached(store: ChunkStore) -> list[str]:
+    """Record every name ``store.is_cached`` is asked about from now on."""
+    asked: list[str] = []
+    real = store.is_cached
+
+    def is_cached(name: str, size: int | None = None) -> bool:
+        asked.append(name)
+        return real(name, size)
+
+    store.is_cached = is_cached  # type: ignore[method-assign]
+    return asked
+
+
+def test_prefetch_looks_at_a_published_chunk_once_while_the_hint_names_it(tmp_path, lt) -> None:
+    """The prefetch decisions ask about every chunk of the window at every landing and
+    every read; a chunk found published is not looked at again (a stat and a stamp read
+    each). Only the reader's own asks look at the file."""
+    objects = _objects(8, 1000)
+    storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=8, max_concurrency=8)
+    specs = [ChunkSpec(n, 1000, _xx(d)) for n, d in objects.items()]
+    dl.hint(specs)
+    _wait(lambda: all(store.is_cached(n) for n in objects) and not dl._inflight)
+    dl.hint(specs)  # (the same hint again: every chunk published, each looked at once)
+    asked = _counting_is_cached(store)
+    for name, data in objects.items():
+        assert _read(dl.ensure(name, 1000, _xx(data)).result(10)) == data
+    # One ask per read; before, every read's prefetch pass asked about each chunk of
+    # the window left: 8 + 7 + ... + 1 more.
+    assert sorted(asked) == sorted(objects), asked
+    assert len(storage.reads) == 8  # nothing fetched twice
+
+
+def test_a_chunk_removed_after_the_prefetch_saw_it_is_fetched_for_its_reader(tmp_path, lt) -> None:
+    """What the prefetch remembers as published is never what a reader gets: a chunk
+    removed underneath (another process's evictor) is fetched again when read."""
+    objects = _objects(3, 1000)
+    storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=3)
+    specs = [ChunkSpec(n, 1000, _xx(d)) for n, d in objects.items()]
+    dl.hint(specs)
+    _wait(lambda: all(store.is_cached(n) for n in objects) and not dl._inflight)
+    assert "c2.bin" in dl._seen_cached  # the prefetch saw it
+    os.unlink(store.path("c2.bin"))  # removed underneath
+    for name, data in objects.items():
+        assert _read(dl.ensure(name, 1000, _xx(data)).result(10)) == data
+    assert [key for key, _, _ in storage.reads].count("c2.bin") == 2  # fetched again
+    assert "c2.bin" not in dl._seen_cached
