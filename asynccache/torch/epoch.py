@@ -289,10 +289,11 @@ class EpochDataset(IterableDataset[Any]):
         self._ahead = part.ahead
         order = self._order()
         self._plan_epoch(pr, world, part.logical)
-        if part.ahead and pr.num_workers > 1:
-            # The main process built this worker's first batch: its next one is a round of
-            # the other workers' batches away. Its chunks start downloading now, not after
-            # range reads of that batch.
+        if head and pr.num_workers > 1:
+            # The main process built this epoch's first batches: the consumer has them
+            # while this worker starts, and the worker's chunks start downloading now, not
+            # after range reads of its first batch (a round trip for headers, one for
+            # items, a GET per item when shuffled).
             self._skip_range_reads()
         self._yielded = 0
         if self._batch_mode is not None:
