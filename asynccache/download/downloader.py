@@ -949,10 +949,10 @@ class Downloader:
     def _known_published(self, spec: ChunkSpec) -> bool:
         """Whether the hinted chunk ``spec`` is published, as the prefetch decisions see
         it: once found published it is taken to stay so while the hint names it. They
-        ask for every chunk of the window at every landing and every read (a ``stat`` and
-        a stamp read each, on this thread: in a cold epoch of 8 MiB chunks, 5,400 of them,
-        0.36 s of a worker's CPU). An eviction meanwhile costs only a prefetch: the
-        reader's own ask checks the file (``_ensure_cached``) and fetches it."""
+        ask about every chunk of the window at every landing and every read, and a look
+        at the file is a ``stat`` and a stamp read on this thread (docs/performance.md,
+        "Setups off the matrix"). An eviction meanwhile costs only a prefetch: the
+        reader's own ask looks at the file (``_ensure_cached``) and fetches it."""
         if spec.name in self._seen_cached:
             return True
         if self.store.is_cached(spec.name, spec.size):
