@@ -296,8 +296,10 @@ class Downloader:
             return not self._publishing
         try:
             return bool(self._lt.call(self._published(timeout), timeout + _STALL_SLACK_S))
-        except Exception:  # a closed I/O thread publishes nothing more
-            log.debug("wait_published: I/O thread gone")
+        except (RuntimeError, StorageTimeoutError, concurrent.futures.CancelledError) as exc:
+            # What a closed or stopped I/O thread raises (BridgeError is a RuntimeError);
+            # anything else is a bug here and goes to the caller.
+            log.debug("wait_published: I/O thread gone (%r)", exc)
             return False
 
     async def _published(self, timeout: float) -> bool:

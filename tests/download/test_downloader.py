@@ -11,6 +11,7 @@ import pytest
 import xxhash
 from dl_support import DictStorage
 
+from asynccache.bridge import LoopThread
 from asynccache.cache import ChunkStore
 from asynccache.cache.layout import local_name
 from asynccache.config import Settings
@@ -427,3 +428,30 @@ def test_a_chunk_removed_after_the_prefetch_saw_it_is_fetched_for_its_reader(tmp
         assert _read(dl.ensure(name, 1000, _xx(data)).result(10)) == data
     assert [key for key, _, _ in storage.reads].count("c2.bin") == 2  # fetched again
     assert "c2.bin" not in dl._seen_cached
+
+
+def test_wait_published_gives_up_on_a_closed_io_thread_but_lets_a_bug_through(
+    tmp_path, monkeypatch
+) -> None:
+    """A closed I/O thread publishes nothing more: ``wait_published`` says False. An error
+    of the wait's own code is not that, and reaches the caller instead of reading as
+    "gave up" (a renamed method once failed there unseen)."""
+    lt = LoopThread()
+    _storage, _store, dl = _make(tmp_path, lt, _objects(1, 10))
+
+    async def pending() -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(asyncio.sleep(60))
+
+    task = lt.call(pending(), 10)
+    dl._publishing.add(task)  # a publish under way that never ends
+    assert dl.wait_published(0.05) is False  # bounded, and the publish is still under way
+
+    async def broken(timeout: float) -> bool:
+        raise TypeError("a bug in the wait")
+
+    monkeypatch.setattr(dl, "_published", broken)
+    with pytest.raises(TypeError, match="a bug in the wait"):
+        dl.wait_published(1)
+    monkeypatch.undo()
+    lt.close()
+    assert dl.wait_published(1) is False  # closed: BridgeError, read as "gave up"
