@@ -310,14 +310,26 @@ class EpochDataset(IterableDataset[Any]):
                 yield seg, a, order.keys(a, min(seg.end, a + BLOCK))
 
     def _iter_items(self, order: Any, segments: list[Segment]) -> Iterator[Any]:
+        # The reader's one round of range reads an epoch covers the items of the first
+        # call: the first batch's alone, which is what it is there for (the DataLoader
+        # collates nothing before its last item; more items by range only hold the
+        # chunk downloads back longer). A batch size of 1 is the default of a dataset no
+        # loader told its batch size: the whole first block, within the byte budget.
+        first = self.batch_size if self.batch_size > 1 else 0
         try:
             for seg, a, keys in self._blocks(order, segments):
-                chunks, items = self._read_units(keys)
-                for j, item in enumerate(items):
-                    if j == 0:  # after the first read: it had the bandwidth to itself
-                        self._hint(order, segments, seg, a, chunks)
-                    self._yielded += 1
-                    yield item
+                runs = [keys[:first], keys[first:]] if 0 < first < len(keys) else [keys]
+                first = 0
+                hinted = False
+                for run in runs:
+                    chunks, items = self._read_units(run)
+                    for item in items:
+                        if not hinted:  # after the first read: it had the bandwidth to itself
+                            whole = chunks if len(runs) == 1 else self._chunks_of(keys)
+                            self._hint(order, segments, seg, a, whole)
+                            hinted = True
+                        self._yielded += 1
+                        yield item
         finally:
             self._end_iteration()
 

@@ -104,6 +104,29 @@ def test_first_items_by_range_are_the_chunk_items_and_stop_once_chunks_land(
         ds.close()
 
 
+def test_items_collated_by_the_loader_read_only_its_first_batch_by_range(
+    remote, written, objstore, tmp_path
+):
+    """Items one by one into a loader's batches of 4: the round of range reads is for the
+    first batch alone (nothing is handed out before its last item), not for as many
+    items as the byte budget holds (9 here): those would hold the chunks back longer."""
+    name, size, first = _first_chunk(written)
+    view = ChunkView((written / name).read_bytes(), name)
+    with FaultProxy(objstore.endpoint_url) as proxy:
+        proxy.add_fault(Fault("slow", path=name, range=f"bytes=0-{size - 1}", stall_s=1.0))
+        options = dict(objstore.storage_options, endpoint_url=proxy.url)
+        ds = _dataset(remote, options, tmp_path, batch_size=4)
+        got = [b["i"].clone() for b in DataLoader(ds, batch_size=4)]
+        assert proxy.fired("slow") == 1
+        ranged = _range_gets(proxy, size)
+        ds.close()
+    assert ranged == [
+        (name, f"bytes=0-{items_start(PER_CHUNK) - 1}"),
+        (name, f"bytes={first}-{view.span(3)[1] - 1}"),  # items 0-3, one range
+    ], ranged
+    assert [k for b in got for k in b.tolist()] == list(range(N))
+
+
 def test_worker_first_batches_by_range_are_the_items(remote, written, objstore, tmp_path):
     _, size, _ = _first_chunk(written)
     chunks = N // PER_CHUNK
