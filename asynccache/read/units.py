@@ -12,7 +12,6 @@ that same file (see :class:`~.batchread.FormCache`); items built from forms equa
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,9 @@ from .source import DatasetSource
 from .token_blocks import TokenUnits
 
 __all__ = ["UnitReader"]
+
+_ITEMS_BYTES = 8 << 20  # items built ahead of the one handed out, about (see _items)
+_ITEMS_MAX = 512  # and at most this many
 
 
 class UnitReader:
@@ -42,6 +44,9 @@ class UnitReader:
         self.max_forms = max_forms
         self._forms = FormCache(max_forms, objects=True)  # over the batch mappings
         self._item_forms = FormCache(max_forms, objects=True)  # over the items' mappings
+        # Positions _items takes at a time: about _ITEMS_BYTES of items.
+        mean = int(index.bytes_per_chunk.sum()) // max(1, int(index.items_per_chunk.sum()))
+        self._window = max(1, min(_ITEMS_MAX, _ITEMS_BYTES // max(1, mean)))
 
     # -- where units lie -----------------------------------------------------------
     def chunks_of(self, keys: np.ndarray) -> np.ndarray:
@@ -84,21 +89,34 @@ class UnitReader:
 
     def _items(self, chunks: np.ndarray, positions: np.ndarray) -> Iterator[Any]:
         """The items at ``positions`` of ``chunks``, built from each chunk's learned forms
-        where they have one (no header parsed per item), else decoded one by one."""
-        cuts = [0, *(np.flatnonzero(np.diff(chunks)) + 1).tolist(), len(chunks)]
-        for a, b in itertools.pairwise(cuts):
-            c = int(chunks[a])
-            got = None
-            if not self.reader.by_range(c):
-                mm, offsets = self.reader.item_mapping(c)
-                got = self._item_forms.get(c, mm, offsets).items(positions[a:b])
-            if got is not None:
-                yield from got
-                continue
-            # One by one: an item read by range is handed out before the read of the next
-            # one waits for its chunk.
-            for p in positions[a:b].tolist():
-                yield self.reader.read(c, int(p))
+        where they have one (no header parsed per item), else decoded one by one.
+
+        A window of positions at a time, each chunk's items of the window built in one
+        call when the window first reaches that chunk: a shuffled order hops between
+        the chunks of its shuffle window at almost every item, and a call per run of one
+        or two items cost more than the items (0.2 ms each: the JPEG shape's warm
+        shuffled epoch). The window holds about :data:`_ITEMS_BYTES` of items, so no
+        call copies out much more than that at once (bytes leaves are copies)."""
+        window = self._window
+        for w in range(0, len(chunks), window):
+            cs, ps = chunks[w : w + window], positions[w : w + window]
+            built: dict[int, Iterator[Any] | None] = {}
+            for c, p in zip(cs.tolist(), ps.tolist(), strict=True):
+                if c not in built:
+                    built[c] = self._chunk_items(c, ps[cs == c])
+                got = built[c]
+                # One by one: an item read by range is handed out before the read of the
+                # next one waits for its chunk.
+                yield next(got) if got is not None else self.reader.read(c, p)
+
+    def _chunk_items(self, c: int, positions: np.ndarray) -> Iterator[Any] | None:
+        """Items ``positions`` of chunk ``c`` built from its forms, in that order; None
+        when they have none, or the chunk is read by range."""
+        if self.reader.by_range(c):
+            return None
+        mm, offsets = self.reader.item_mapping(c)
+        got = self._item_forms.get(c, mm, offsets).items(positions)
+        return iter(got) if got is not None else None
 
     def items(self, keys: np.ndarray) -> list[Any]:
         """Units ``keys``, as a list."""

@@ -549,3 +549,28 @@ def test_the_shapes_through_the_loader(shaped, name, workers, shuffle):
     stats = ds.batch_stats()
     assert stats["assembled"] + stats["collated"] == len(got)
     assert stats["collated"] == 0  # every shape assembled by the workers
+
+
+def test_items_one_by_one_hopping_between_chunks_are_built_once_per_chunk(shaped, monkeypatch):
+    """A shuffled order hops between chunks at almost every item: the items of each chunk
+    in a window are built in one call (a call per run of one item cost more than the
+    item), handed out in the order asked, each equal to the item decoded alone."""
+    from asynccache.read import batchread
+
+    ds = StreamingDataset(shaped["jpeg_label_path"])
+    ur = ds.unit_reader
+    keys = np.array(
+        [c * CHUNK + i for i in range(CHUNK) for c in range(4)]
+    )  # 0, 16, 32, 48, 1, ...
+    calls: list[int] = []
+    real = batchread.ChunkForms.items
+    monkeypatch.setattr(
+        batchread.ChunkForms, "items", lambda self, p: calls.append(len(p)) or real(self, p)
+    )
+    got = ur.items(keys)
+    assert calls == [CHUNK] * 4, calls
+    chunks, positions = ds.index.locate_many(keys)
+    assert [g["label"] for g in got] == keys.tolist()
+    for k, g, c, p in zip(keys.tolist(), got, chunks.tolist(), positions.tolist(), strict=True):
+        same_item(g, ur.reader.read(c, p), f"item {k}")
+    ds.close()
