@@ -48,7 +48,7 @@ import collections
 import dataclasses
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -602,17 +602,24 @@ class ChunkForms:
         spans = self.leaf_data(form, positions, leaf)
         if form.leaves[leaf].kind == "s":
             return _strings(self.u8, spans)
-        pairs = zip(spans[:, 0].tolist(), spans[:, 1].tolist(), strict=True)
+        return [self._bytes_at(o, n) for o, n in spans.tolist()]
+
+    def _bytes_at(self, o: int, n: int) -> bytes:
+        """The ``n`` bytes at offset ``o`` of the chunk, a copy.
+
+        Raises:
+            TruncatedChunkError: the chunk's file ends inside them.
+        """
         if self._drop:  # large items: from the file, no page of the chunk mapped here
             assert self.fd is not None
-            out = [os.pread(self.fd, n, o) for o, n in pairs]
-            if any(len(b) != n for b, n in zip(out, spans[:, 1].tolist(), strict=True)):
+            out = os.pread(self.fd, n, o)
+            if len(out) != n:
                 raise TruncatedChunkError(f"{self.path}: the file ends inside an item's bytes")
             return out
         buf = self.buf
         if isinstance(buf, (bytes, mmap.mmap)):
-            return [buf[o : o + n] for o, n in pairs]
-        return [self.u8[o : o + n].tobytes() for o, n in pairs]
+            return buf[o : o + n]
+        return self.u8[o : o + n].tobytes()
 
     def copy_bytes(
         self,
@@ -643,16 +650,27 @@ class ChunkForms:
             at += n
         return at
 
-    def items(self, positions: np.ndarray) -> list[Any] | None:
-        """Items ``positions``, as :func:`asynccache.format.items.decode` returns them one
-        by one (arrays are read-only views of the chunk), built from the forms' tables
-        with no header parsed per item; None unless they share a form of no tensor leaf
-        (the caller decodes them one by one)."""
+    def items(self, positions: np.ndarray) -> Iterator[Any] | None:
+        """Items ``positions``, in that order, as :func:`asynccache.format.items.decode`
+        returns them one by one (arrays are read-only views of the chunk), built from the
+        forms' tables with no header parsed per item; None unless they share a form of no
+        tensor leaf (the caller decodes them one by one).
+
+        The tables are read for all of them at once; each item is made as the iterator
+        reaches it, its bytes values copied then: items asked for together are not all
+        held at once (fresh heap pages for each group of copies cost more than the
+        copying).
+        """
         form = self.form_of(positions)
         if form is None or any(leaf.kind == "t" for leaf in form.leaves):
             return None
         cols: list[list[Any]] = []
+        lazy: list[int] = []  # bytes leaves: (offset, length) per item, copied when made
         for i, leaf in enumerate(form.leaves):
+            if leaf.kind == "y":
+                cols.append(self.leaf_data(form, positions, i).tolist())
+                lazy.append(i)
+                continue
             if leaf.kind in OBJECT_KINDS:
                 cols.append(self.objects(form, positions, i))
                 continue
@@ -667,16 +685,28 @@ class ChunkForms:
                 cols.append(list(data))  # numpy scalars
             else:
                 cols.append(data.tolist())  # int / float / bool
-        tree = form.tree
-        if tree[0] == "leaf":
-            return cols[0]
-        if tree[0] == "dict" and all(c[0] == "leaf" for c in tree[2]):
-            keys = tree[1]
-            order = [c[1] for c in tree[2]]
+        return self._made(form.tree, cols, lazy)
+
+    def _made(self, tree: Tree, cols: list[list[Any]], lazy: list[int]) -> Iterator[Any]:
+        """The items of columns ``cols`` one by one, as :meth:`items` describes."""
+        plain = tree[0] == "dict" and all(c[0] == "leaf" for c in tree[2])
+        if plain:
+            keys, order = tree[1], [c[1] for c in tree[2]]
             if order != list(range(len(order))):
+                lazy = [order.index(k) for k in lazy]
                 cols = [cols[k] for k in order]
-            return [dict(zip(keys, row, strict=True)) for row in zip(*cols, strict=True)]
-        return [_make(tree, row) for row in zip(*cols, strict=True)]
+        for row in zip(*cols, strict=True):
+            if lazy:
+                values = list(row)
+                for k in lazy:
+                    values[k] = self._bytes_at(*values[k])
+                row = tuple(values)
+            if tree[0] == "leaf":
+                yield row[0]
+            elif plain:
+                yield dict(zip(keys, row, strict=True))
+            else:
+                yield _make(tree, row)
 
 
 def _make(node: Tree, row: tuple[Any, ...]) -> Any:

@@ -115,8 +115,7 @@ class UnitReader:
         if self.reader.by_range(c):
             return None
         mm, offsets = self.reader.item_mapping(c)
-        got = self._item_forms.get(c, mm, offsets).items(positions)
-        return iter(got) if got is not None else None
+        return self._item_forms.get(c, mm, offsets).items(positions)
 
     def items(self, keys: np.ndarray) -> list[Any]:
         """Units ``keys``, as a list."""

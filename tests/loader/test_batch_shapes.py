@@ -573,4 +573,18 @@ def test_items_one_by_one_hopping_between_chunks_are_built_once_per_chunk(shaped
     assert [g["label"] for g in got] == keys.tolist()
     for k, g, c, p in zip(keys.tolist(), got, chunks.tolist(), positions.tolist(), strict=True):
         same_item(g, ur.reader.read(c, p), f"item {k}")
+    # Each item's bytes are copied as the item is made, not all of the call's at once
+    # (the copies of a window held together took fresh heap pages each time).
+    copies: list[int] = []
+    real_at = batchread.ChunkForms._bytes_at
+    monkeypatch.setattr(
+        batchread.ChunkForms,
+        "_bytes_at",
+        lambda self, o, n: copies.append(n) or real_at(self, o, n),
+    )
+    mm, offsets = ur.reader.item_mapping(0)
+    it = batchread.FormCache(2, objects=True).get(0, mm, offsets).items(np.arange(CHUNK))
+    assert it is not None and copies == []
+    first = next(it)
+    assert len(copies) == 1 and copies[0] == len(first["jpeg"])
     ds.close()
