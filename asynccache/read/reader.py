@@ -130,11 +130,21 @@ class ChunkMap(mmap.mmap):
         return m
 
 
+FileId = tuple[int, int, int, int, int]  # device, inode, size, modification and change time
+
+
 def map_chunk(
-    path: str, entry: ChunkEntry, *, verify: bool, name: str | None = None
-) -> tuple[Any, ChunkView]:
-    """Map ``path`` and check it against its index ``entry`` (size; checksum if ``verify``).
-    Messages name ``name`` (default ``path``).
+    path: str,
+    entry: ChunkEntry,
+    *,
+    verify: bool,
+    name: str | None = None,
+    trusted: FileId | None = None,
+) -> tuple[Any, ChunkView, FileId]:
+    """Map ``path`` and check it against its index ``entry`` (size; checksum if ``verify``,
+    unless the file is ``trusted``: the one a checksum passed before, the same device,
+    inode, size and times). Messages name ``name`` (default ``path``). Returns the
+    mapping, its view and the file's identity.
 
     Raises:
         TruncatedChunkError, ChecksumMismatchError, BadMagicError, UnsupportedVersionError:
@@ -148,13 +158,15 @@ def map_chunk(
             f"{shown}: chunk named in the index is missing", url=shown
         ) from exc
     with f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        ident = (st.st_dev, st.st_ino, size, st.st_mtime_ns, st.st_ctime_ns)
         if size != entry.bytes:
             raise TruncatedChunkError(
                 f"{shown}: file has {size} bytes but the index says {entry.bytes}"
             )
         mm: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
-    if verify:
+    if verify and ident != trusted:
         got = checksum(mm)
         if got != entry.checksum:
             raise ChecksumMismatchError(
@@ -172,7 +184,7 @@ def map_chunk(
         raise TruncatedChunkError(
             f"{shown}: holds {view.tokens} tokens, the index says {entry.tokens}"
         )
-    return mm, view
+    return mm, view, ident
 
 
 class Reader:
@@ -206,7 +218,9 @@ class Reader:
         self._allow_pickle = allow_pickle
         self._max_open = max_open
         self._open: collections.OrderedDict[int, _Mapped] = collections.OrderedDict()
-        self._verified: set[int] = set()
+        # The file of each chunk a checksum passed for (a file put in its place later, a
+        # rewritten dataset's, is checked again).
+        self._verified: dict[int, FileId] = {}
         self._lock = threading.Lock()
         self._ranged = ranged
         self._follow_source()
@@ -483,8 +497,10 @@ class Reader:
         path = self._resolve(ci, entry)
         name = shown_path(path)
         try:
-            verify = self._verify and ci not in self._verified
-            mm, view = map_chunk(path, entry, verify=verify, name=name)
+            trusted = self._verified.get(ci)
+            mm, view, ident = map_chunk(
+                path, entry, verify=self._verify, name=name, trusted=trusted
+            )
             # A chunk not published yet, reached through its downloader's descriptor
             # (see ChunkStore.pin): remember the inode for mapped().
             ino = os.stat(path).st_ino if reopens(path) else None
@@ -497,7 +513,7 @@ class Reader:
             self._drop_early(ci)
         dropped = []
         with self._lock:
-            self._verified.add(ci)
+            self._verified[ci] = ident
             if ci in self._open:  # another thread mapped it meanwhile: keep one
                 dropped.append(ci)
                 m = self._open[ci]

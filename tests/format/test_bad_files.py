@@ -109,6 +109,28 @@ def test_checksum_mismatch(written):
         read_first(written)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_chunk_replaced_between_epochs_is_verified_again(written, workers):
+    """A local chunk read and verified in one epoch, then replaced by another file (here
+    the next chunk's bytes: the same size, a valid chunk): the next epoch of the same
+    dataset checks it again and refuses it, in the process that verified it first too
+    (it remembered chunks by number, and handed out the other chunk's items as these)."""
+    from torch.utils.data import DataLoader
+
+    from asynccache import StreamingDataset
+
+    ds = StreamingDataset(str(written))
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    assert sorted(int(x["i"]) for x in loader) == list(range(10))
+    first, second = sorted(p for p in os.listdir(written) if p.endswith(".bin"))[:2]
+    assert os.path.getsize(written / first) == os.path.getsize(written / second)
+    tmp = written / "replacement.tmp"
+    tmp.write_bytes((written / second).read_bytes())
+    os.replace(tmp, written / first)
+    with pytest.raises(ChecksumMismatchError, match=first):
+        list(loader)
+
+
 @pytest.mark.parametrize(
     "text",
     [
