@@ -28,6 +28,7 @@ from ..download.ranges import RangeCheck
 from ..errors import ChecksumMismatchError, DataError, ObjectNotFoundError, TruncatedChunkError
 from ..format import ChunkEntry, ChunkView, Index, checksum, decode
 from ..format.chunk import items_start, parse_header
+from .verified import FileId, VerifiedFiles
 
 Resolve = Callable[[int, ChunkEntry], str]
 Release = Callable[[int], None]
@@ -130,20 +131,17 @@ class ChunkMap(mmap.mmap):
         return m
 
 
-FileId = tuple[int, int, int, int, int]  # device, inode, size, modification and change time
-
-
 def map_chunk(
     path: str,
     entry: ChunkEntry,
     *,
     verify: bool,
     name: str | None = None,
-    trusted: FileId | None = None,
+    trusted: Callable[[FileId], bool] | None = None,
 ) -> tuple[Any, ChunkView, FileId]:
     """Map ``path`` and check it against its index ``entry`` (size; checksum if ``verify``,
-    unless the file is ``trusted``: the one a checksum passed before, the same device,
-    inode, size and times). Messages name ``name`` (default ``path``). Returns the
+    unless ``trusted(identity)`` says a checksum passed for this file before: the same
+    device, inode, size and times). Messages name ``name`` (default ``path``). Returns the
     mapping, its view and the file's identity.
 
     Raises:
@@ -166,7 +164,7 @@ def map_chunk(
                 f"{shown}: file has {size} bytes but the index says {entry.bytes}"
             )
         mm: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
-    if verify and ident != trusted:
+    if verify and not (trusted is not None and trusted(ident)):
         got = checksum(mm)
         if got != entry.checksum:
             raise ChecksumMismatchError(
@@ -221,11 +219,23 @@ class Reader:
         # The file of each chunk a checksum passed for (a file put in its place later, a
         # rewritten dataset's, is checked again).
         self._verified: dict[int, FileId] = {}
+        # The same, shared with the other processes reading this dataset (the dataset
+        # and its DataLoader workers), when the caller provides it.
+        self.shared_verified: VerifiedFiles | None = None
         self._lock = threading.Lock()
         self._ranged = ranged
         self._follow_source()
         self._reset_early()
         forksafe.register(self)
+
+    def _trusted(self, ci: int) -> Callable[[FileId], bool]:
+        """Whether a checksum passed for a file of chunk ``ci`` (see ``_verified``)."""
+        mine, shared = self._verified.get(ci), self.shared_verified
+
+        def trusted(ident: FileId) -> bool:
+            return ident == mine or (shared is not None and shared.holds(ci, ident))
+
+        return trusted
 
     def _follow_source(self) -> None:
         # The source may ask for mappings it gave back to be dropped (a full disk).
@@ -497,9 +507,8 @@ class Reader:
         path = self._resolve(ci, entry)
         name = shown_path(path)
         try:
-            trusted = self._verified.get(ci)
             mm, view, ident = map_chunk(
-                path, entry, verify=self._verify, name=name, trusted=trusted
+                path, entry, verify=self._verify, name=name, trusted=self._trusted(ci)
             )
             # A chunk not published yet, reached through its downloader's descriptor
             # (see ChunkStore.pin): remember the inode for mapped().
@@ -511,6 +520,9 @@ class Reader:
         self._mapped_any = True
         if self._early:
             self._drop_early(ci)
+        shared = self.shared_verified
+        if self._verify and shared is not None and not shared.holds(ci, ident):
+            shared.put(ci, ident)
         dropped = []
         with self._lock:
             self._verified[ci] = ident

@@ -22,13 +22,14 @@ from ..read.source_units import SourceReader, SourceUnits, UnitSource
 from ..read.sources import open_source
 from ..read.token_blocks import TokenBlocks, TokenUnits
 from ..read.units import UnitReader
+from ..read.verified import ROW, VerifiedFiles
 from ..sampling import Plan, Segment
 from ..sampling.order import ItemUnits, OrderSpec, ReadOrder, Units
 from ..sampling.progress import Progress
 from . import batches, distributed
 from .epoch import BLOCK, EpochDataset
 from .lead import HeadStart, workers_first_chunks
-from .shared_epoch import STAT_FIELDS
+from .shared_epoch import STAT_FIELDS, shared_bytes
 
 __all__ = ["StreamingDataset", "reader_place"]
 
@@ -42,6 +43,14 @@ _FAR_TTFB_S = 0.02
 # Lead batches of this many bytes or more, all in cached chunks, take longer to copy than
 # the workers' forks (10-30 ms each): those fork first (docs/streaming.md).
 _FORK_FIRST_BYTES = 32 << 20
+# Rows of a local dataset's table of verified chunk files (48 bytes each, shared memory):
+# a chunk past it shares a row, and may be hashed again by another worker.
+_VERIFIED_ROWS = 16384
+
+
+def _numpy(t: Any) -> np.ndarray:
+    """The numpy view of shared tensor ``t`` (:class:`~..read.verified.VerifiedFiles`)."""
+    return t.numpy()
 
 
 def reader_place(
@@ -207,6 +216,9 @@ class StreamingDataset(EpochDataset):
             allow_pickle=allow_pickle,
             max_open=open_chunks,
         )
+        if not self.source.remote:  # chunks hashed once for the dataset and its workers
+            rows = max(1, min(self.index.num_chunks, _VERIFIED_ROWS))
+            self.reader.shared_verified = VerifiedFiles(shared_bytes(rows * ROW * 8), _numpy)
         self.unit_reader = UnitReader(self.index, self.reader, self.source, blocks, open_chunks)
         if isinstance(self.source, UnitSource):  # Parquet row groups, packs of files
             if blocks is not None:
