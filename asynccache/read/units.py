@@ -91,12 +91,11 @@ class UnitReader:
         """The items at ``positions`` of ``chunks``, built from each chunk's learned forms
         where they have one (no header parsed per item), else decoded one by one.
 
-        A window of positions at a time, each chunk's items of the window built in one
+        A window of positions at a time, each chunk's items of the window built from one
         call when the window first reaches that chunk: a shuffled order hops between
         the chunks of its shuffle window at almost every item, and a call per run of one
-        or two items cost more than the items (0.2 ms each: the JPEG shape's warm
-        shuffled epoch). The window holds about :data:`_ITEMS_BYTES` of items, so no
-        call copies out much more than that at once (bytes leaves are copies)."""
+        or two items cost more than the items (docs/performance.md, "The per-item
+        path"). The window holds about :data:`_ITEMS_BYTES` of items."""
         window = self._window
         for w in range(0, len(chunks), window):
             cs, ps = chunks[w : w + window], positions[w : w + window]

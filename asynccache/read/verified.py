@@ -2,10 +2,10 @@
 that read one dataset (a dataset and its DataLoader workers).
 
 A :class:`Reader` of a local dataset hashes each chunk the first time it maps it. Each
-epoch's new DataLoader workers would hash every chunk again (0.06 s of CPU per 512 MiB a
-worker); with a table shared by the dataset and its workers a chunk is hashed once for
-all of them. An entry names the file, not the chunk: a file put at the chunk's path later
-(a rewritten dataset's) matches no entry and is hashed again.
+epoch's new DataLoader workers would hash every chunk again; with a table shared by the
+dataset and its workers a chunk is hashed once for all of them. An entry names the file,
+not the chunk: a file put at the chunk's path later (a rewritten dataset's) matches no
+entry and is hashed again.
 
 The table lives in memory the caller shares (``view_of(storage)``: zero bytes, rows of
 :data:`ROW` words): a forked worker inherits it, a spawned one gets it with the dataset

@@ -216,15 +216,15 @@ class StreamingDataset(EpochDataset):
             allow_pickle=allow_pickle,
             max_open=open_chunks,
         )
-        if not self.source.remote:  # chunks hashed once for the dataset and its workers
-            rows = max(1, min(self.index.num_chunks, _VERIFIED_ROWS))
-            self.reader.shared_verified = VerifiedFiles(shared_bytes(rows * ROW * 8), _numpy)
         self.unit_reader = UnitReader(self.index, self.reader, self.source, blocks, open_chunks)
         if isinstance(self.source, UnitSource):  # Parquet row groups, packs of files
             if blocks is not None:
                 raise ConfigError(f"{self.source.url}: item_loader is for written datasets")
             self.reader = SourceReader(self.index, self.source, open_chunks)  # type: ignore[assignment]
             self.unit_reader = SourceUnits(self.index, self.reader, self.source, open_chunks)  # type: ignore[arg-type]
+        elif not self.source.remote:  # chunks hashed once for the dataset and its workers
+            rows = max(1, min(self.index.num_chunks, _VERIFIED_ROWS))
+            self.reader.shared_verified = VerifiedFiles(shared_bytes(rows * ROW * 8), _numpy)
         self._heads = HeadStart(self.source, self.index, settings)
         super().__init__(
             settings,
