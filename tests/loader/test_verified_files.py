@@ -46,7 +46,7 @@ def test_the_workers_verified_files_are_the_datasets(local, context):
     table = ds.reader.shared_verified
     assert table is not None
     for ci, name in enumerate(_chunks(local)):
-        assert table.holds(ci, _ident(local / name)), name  # written by the workers
+        assert table.holds(ci, _ident(local / name)), name  # by the dataset or a worker
     # Another file at a chunk's path (the next chunk's bytes, a valid chunk of the same
     # size): the next epoch's workers hash it, and refuse it.
     first, second = _chunks(local)[:2]
