@@ -588,3 +588,25 @@ def test_items_one_by_one_hopping_between_chunks_are_built_once_per_chunk(shaped
     first = next(it)
     assert len(copies) == 1 and copies[0] == len(first["jpeg"])
     ds.close()
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    keys=st.lists(st.integers(0, N - 1), min_size=1, max_size=3 * N),
+    window=st.integers(1, 2 * N),
+)
+def test_items_one_by_one_are_the_decoded_items_in_any_order_and_window(shaped, name, keys, window):
+    """Any order of keys (repeats, chunk hops, runs) and any window: the items handed out
+    one by one are, in order, the items decoded alone."""
+    ds = StreamingDataset(shaped[name])
+    ur = ds.unit_reader
+    ur._window = window
+    got = ur.items(np.array(keys))
+    chunks, positions = ds.index.locate_many(np.array(keys))
+    assert len(got) == len(keys)
+    for k, g, c, p in zip(keys, got, chunks.tolist(), positions.tolist(), strict=True):
+        same_item(g, ur.reader.read(c, p), f"item {k}")
+    ds.close()
