@@ -11,6 +11,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
@@ -154,7 +155,9 @@ class Downloader:
         self._verify_local = verify_local
         self._link = link_for(endpoint_of(storage))  # measured by every part (link.py)
         self._sizes: dict[str, int] = {}  # of the chunks downloading (see _bytes_ahead)
-        self._verified: set[str] = set()
+        # name -> (device, inode, size, modification and change time) of the file a
+        # checksum passed for: a file replaced under the same name is hashed again.
+        self._verified: dict[str, tuple[int, ...]] = {}
         self._inflight: dict[str, asyncio.Task[str]] = {}
         self._early: dict[asyncio.Task[str], asyncio.Future[str]] = {}  # see _ready_of
         self._publishing: set[asyncio.Task[str]] = set()  # handed out, publish under way
@@ -457,15 +460,21 @@ class Downloader:
 
     async def _local(self, spec: ChunkSpec) -> str:
         path = self.storage.local_path(spec.name)
-        if path is None or not os.path.isfile(path):  # noqa: ASYNC240 - one stat, cheap
+        try:
+            st = None if path is None else os.stat(path)  # one stat, cheap
+        except OSError:
+            st = None
+        if path is None or st is None or not stat.S_ISREG(st.st_mode):
             raise ObjectNotFoundError(
                 f"{self.storage.object_url(spec.name)} does not exist",
                 url=self.storage.object_url(spec.name),
             )
         self.stats.hits += 1
-        if self._verify_local and spec.checksum and spec.name not in self._verified:
-            await asyncio.to_thread(_verify_path, path, spec, self.storage.object_url(spec.name))
-            self._verified.add(spec.name)
+        if self._verify_local and spec.checksum:
+            known = self._verified.get(spec.name)
+            if known != _file_id(st):
+                url = self.storage.object_url(spec.name)
+                self._verified[spec.name] = await asyncio.to_thread(_verify_path, path, spec, url)
         return path
 
     def _wanted(self, name: str) -> bool:
@@ -1278,13 +1287,20 @@ def _matches(checksum: str, fd: int, size: int) -> bool:
     return file_checksum(fd, size) == checksum.lower()
 
 
-def _verify_path(path: str, spec: ChunkSpec, url: str) -> None:
+def _file_id(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _verify_path(path: str, spec: ChunkSpec, url: str) -> tuple[int, ...]:
+    """Check the file at ``path`` against ``spec``; returns the identity of the file checked."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if spec.size is not None and size != spec.size:
             raise ChecksumMismatchError(f"{url}: {size} bytes, index says {spec.size}")
         if spec.checksum and file_checksum(fd, size) != spec.checksum.lower():
             raise ChecksumMismatchError(f"{url}: xxh3_64 differs from the index")
+        return _file_id(st)
     finally:
         os.close(fd)

@@ -289,27 +289,27 @@ class Reader:
         chunks: np.ndarray,
         positions: np.ndarray,
         *,
-        small_tail: bool = False,
+        small: bool = False,
         whole: bool = False,
     ) -> bool:
         """Whether :meth:`expect` then reading items ``(chunks[i], positions[i])`` needs no
         chunk downloaded: each item's chunk is in the cache now, or the item is one
-        :meth:`expect` would read by range. ``small_tail``: the index's last chunk may
-        be downloaded whole when it is under 1 MiB (a writer's remainder, which comes
-        whole about as soon as its items by range), provided some item is read by range
-        (the dataset is not one of small chunks only). ``whole``: as :meth:`expect`'s."""
+        :meth:`expect` would read by range. ``small``: chunks under 1 MiB may be
+        downloaded whole (a writer's remainder, which comes whole about as soon as its
+        items by range; a dataset written by several writers has one per writer, anywhere
+        in the index), provided some item is read by range (the dataset is not one of
+        small chunks only). ``whole``: as :meth:`expect`'s."""
         want: dict[int, list[int]] = {}
         if self._ranged is not None and self._early_left > 0 and not self._mapped_any:
             want = self._early_plan(chunks, positions, whole)
-        last = self.index.num_chunks - 1
-        tail = small_tail and int(self.index.bytes_per_chunk[last]) < _MIN_RANGE_CHUNK
+        sizes = self.index.bytes_per_chunk
         landed: dict[int, bool] = {}
         for ci, pos in zip(chunks.tolist(), positions.tolist(), strict=True):
             if pos in want.get(ci, ()):
                 continue
             if ci not in landed:
                 landed[ci] = self._ranged is None or self._ranged.landed(ci)
-            if not landed[ci] and not (tail and ci == last and want):
+            if not landed[ci] and not (small and want and int(sizes[ci]) < _MIN_RANGE_CHUNK):
                 return False
         return True
 

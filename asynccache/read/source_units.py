@@ -263,7 +263,7 @@ class SourceReader:
         chunks: np.ndarray,
         positions: np.ndarray,
         *,
-        small_tail: bool = False,
+        small: bool = False,
         whole: bool = False,
     ) -> bool:
         return all(self.source.landed(c) for c in set(chunks.tolist()))

@@ -527,13 +527,13 @@ class StreamingDataset(EpochDataset):
         if self.unit_reader.blocks is not None:  # token chunks are not read by range
             return self.unit_reader.all_landed(keys)
         self.reader.set_range_budget(self.source.first_read_bytes * len(runs))
-        # The dataset's small last chunk comes whole here (a shuffled first batch that drew
-        # one of its items would otherwise come from a worker, later). Only when the whole
-        # dataset fits the budget: this process follows no plan, and its reservation would
-        # evict by recency (as for the head start).
-        tail = self.source.remote and self.source.fits_cache()
+        # The dataset's chunks under 1 MiB (its writers' remainders) come whole here (a
+        # shuffled first batch that drew one of their items would otherwise come from a
+        # worker, later). Only when the whole dataset fits the budget: this process follows
+        # no plan, and its reservation would evict by recency (as for the head start).
+        small = self.source.remote and self.source.fits_cache()
         located = self.index.locate_many(keys)
-        if self.reader.fetches_no_chunk(*located, small_tail=tail, whole=True):
+        if self.reader.fetches_no_chunk(*located, small=small, whole=True):
             return True
         self.reader.set_range_budget(self.source.first_read_bytes)
         return False

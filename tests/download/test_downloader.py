@@ -182,6 +182,29 @@ def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
     assert _files(store) == [] and storage.reads == []
 
 
+def test_a_local_file_replaced_under_its_name_is_verified_again(tmp_path, lt) -> None:
+    class LocalDir(DictStorage):
+        is_local = True
+
+        def local_path(self, key: str) -> str:
+            return str(tmp_path / "src" / key)
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "c.bin").write_bytes(b"abc")
+    dl = Downloader(
+        LocalDir({}),
+        ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20),
+        _settings(tmp_path),
+        loop_thread=lt,
+        verify_local=True,
+    )
+    assert dl.ensure("c.bin", 3, _xx(b"abc")).result(10) == str(tmp_path / "src" / "c.bin")
+    (tmp_path / "src" / "tmp").write_bytes(b"abd")  # a rewrite: same name, same size
+    os.replace(tmp_path / "src" / "tmp", tmp_path / "src" / "c.bin")
+    with pytest.raises(ChecksumMismatchError):
+        dl.ensure("c.bin", 3, _xx(b"abc")).result(10)
+
+
 def test_hint_keeps_the_window_in_flight(tmp_path, lt) -> None:
     objects = _objects(6, 1000)
     storage, store, dl = _make(tmp_path, lt, objects, prefetch_chunks=2)

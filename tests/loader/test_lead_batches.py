@@ -37,15 +37,19 @@ def _item(i: int) -> dict[str, Any]:
     return {"i": i, "x": np.random.default_rng(i).integers(0, 256, ITEM, dtype=np.uint8)}
 
 
-def _uploaded(tmp_path_factory: pytest.TempPathFactory, objstore: Any, tag: str, n: int) -> Any:
+def _uploaded(
+    tmp_path_factory: pytest.TempPathFactory, objstore: Any, tag: str, n: int, writers: int = 1
+) -> Any:
     """Items ``_item(0..n-1)`` in chunks of PER_CHUNK, in a bucket of their own (removed
-    after the module)."""
+    after the module); ``writers`` write consecutive equal shares, each its own chunks."""
     src = tmp_path_factory.mktemp(tag) / "src"
-    w = ChunkWriter(str(src), 0, chunk_size=PER_CHUNK)
-    for i in range(n):
-        w.add(i, _item(i))
-    w.finish()
-    merge_dir(str(src), [0])
+    share = n // writers
+    for r in range(writers):
+        w = ChunkWriter(str(src), r, chunk_size=PER_CHUNK)
+        for i in range(r * share, n if r == writers - 1 else (r + 1) * share):
+            w.add(i, _item(i))
+        w.finish()
+    merge_dir(str(src), list(range(writers)))
     bucket = f"{tag}-{uuid.uuid4().hex[:12]}"
     objstore.create_bucket(bucket)
     yield upload_dataset(src, f"s3://{bucket}/ds", objstore.storage_options)
@@ -132,7 +136,7 @@ def test_the_second_worker_of_a_shuffled_cold_start_reads_nothing_by_range(
     ds.close()
 
 
-# -- a small last chunk -----------------------------------------------------------------
+# -- small chunks: a writer's remainder ------------------------------------------------
 SMALL_N = N + 2  # the last chunk holds 2 items (160 KiB): under the 1 MiB of range reads
 
 
@@ -141,17 +145,29 @@ def small_tail(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
     yield from _uploaded(tmp_path_factory, objstore, "leadtail", SMALL_N)
 
 
+@pytest.fixture(scope="module")
+def small_within(tmp_path_factory: pytest.TempPathFactory, objstore: Any) -> Any:
+    # Two writers of 33 items each: chunks of 16, 16, 1 | 16, 16, 1 (items 32 and 65 in
+    # the small ones, one of them amid the index).
+    yield from _uploaded(tmp_path_factory, objstore, "leadwithin", SMALL_N, writers=2)
+
+
+@pytest.mark.parametrize(
+    ("layout", "small_items"), [("small_tail", {N, N + 1}), ("small_within", {N // 2, N + 1})]
+)
 def test_a_shuffled_first_batch_drawing_from_a_small_chunk_is_built_here(
-    small_tail, objstore, tmp_path
+    layout, small_items, objstore, tmp_path, request
 ) -> None:
     # A chunk under 1 MiB is downloaded whole rather than read by range; a shuffled first
     # batch that drew one of its items used not to be built in the main process at all
-    # (it would have downloaded that chunk there), and came from a worker instead.
+    # (it would have downloaded that chunk there), and came from a worker instead. A
+    # dataset written by several writers has such a chunk per writer, not only last.
+    url = request.getfixturevalue(layout)
     settings = Settings.from_env(progress=False)
     drew_small = 0
     for seed in range(12):
         ds = StreamingDataset(
-            small_tail,
+            url,
             cache_dir=tmp_path / f"c{seed}",
             storage_options=objstore.storage_options,
             settings=settings,
@@ -159,17 +175,20 @@ def test_a_shuffled_first_batch_drawing_from_a_small_chunk_is_built_here(
             seed=seed,
             shuffle_window=2,
         )
+        assert sorted(int(ds.index.items_per_chunk[c]) for c in range(ds.index.num_chunks))[:2] == (
+            [1, 1] if layout == "small_within" else [2, 16]
+        )
         it = iter(CacheDataLoader(ds, batch_size=BS, num_workers=2))
         batch = next(it)
         del it
         built_here = ds.lead_stats.epochs
         ds.close()
         first = batch["i"].tolist()
-        drew_small += any(i >= N for i in first)
+        drew_small += any(i in small_items for i in first)
         assert built_here == 1, (seed, first)
         for k, row in zip(first, batch["x"], strict=True):
             assert np.array_equal(row.numpy(), _item(k)["x"])
-    assert drew_small > 0, "no first batch drew from the small chunk: the test proves nothing"
+    assert drew_small > 0, "no first batch drew from a small chunk: the test proves nothing"
 
 
 # -- a mix: its first batches built here from cached chunks ------------------------------
