@@ -430,15 +430,15 @@ class ChunkForms:
         self._bind(buf)
         return True
 
-    def _learn(self, positions: np.ndarray) -> None:
+    def _learn(self, positions: np.ndarray, ahead: np.ndarray | None = None) -> None:
         if not len(positions) or bool(np.all(self.form_id[positions] != -2)):
             return
-        if self._asked:  # the chunk's second ask: every item not read yet, at once
+        if not self._asked:  # the first ask: the batch's own (it is waited for)
+            todo = self._unread(positions)
+        elif ahead is None:  # later ones: every item not read yet, at once
             todo = np.flatnonzero(self.form_id == -2)
-        else:  # the first: the batch's own (it is waited for)
-            todo = np.sort(positions[self.form_id[positions] == -2])
-            if len(todo) > 1:  # (np.unique imports numpy.ma)
-                todo = todo[np.concatenate(([True], todo[1:] != todo[:-1]))]
+        else:  # ... or those the caller reads next
+            todo = self._unread(np.concatenate((positions, ahead)))
         self._asked = True
         starts, ends = self.offsets[todo], self.offsets[todo + 1]
         if self._drop:  # large items: from the file (a page mapped per header costs more)
@@ -453,6 +453,13 @@ class ChunkForms:
             rows = headers.gather(self.u8, starts[a : a + block], lens[a : a + block])
             if not self._read(todo[a : a + block], rows, lens[a : a + block]):
                 return
+
+    def _unread(self, positions: np.ndarray) -> np.ndarray:
+        """Positions among ``positions`` whose header is not read yet, sorted, once each."""
+        todo = np.sort(positions[self.form_id[positions] == -2])
+        if len(todo) > 1:  # (np.unique imports numpy.ma)
+            todo = todo[np.concatenate(([True], todo[1:] != todo[:-1]))]
+        return todo
 
     def _file_headers(self, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The headers of items ``[starts, ends)`` read from the chunk's file, a ``preadv``
@@ -576,9 +583,14 @@ class ChunkForms:
             )
         return fid
 
-    def form_of(self, positions: np.ndarray) -> Form | None:
-        """The form all items ``positions`` share; None if any has none or they differ."""
-        self._learn(positions)
+    def form_of(self, positions: np.ndarray, ahead: np.ndarray | None = None) -> Form | None:
+        """The form all items ``positions`` share; None if any has none or they differ.
+
+        The first ask reads the headers of ``positions`` only; each later one that finds
+        one not read also reads those of ``ahead``, the items of this chunk the caller
+        reads next (default: every item not read yet; a reader of a shuffled window
+        shared with other processes reads about ``1 / readers`` of each chunk)."""
+        self._learn(positions, ahead)
         ids = self.form_id[positions]
         first = int(ids[0])
         if first < 0 or not np.all(ids == first):

@@ -352,7 +352,7 @@ class EpochDataset(IterableDataset[Any]):
                 while held >= bs:
                     run = np.concatenate(pending)
                     pending, held = [run[bs:]], len(run) - bs
-                    out = self._batch(run[:bs], pool, row)
+                    out = self._batch(run[:bs], pool, row, ahead=keys)
                     if not hinted:
                         self._hint(order, segments, seg, a, self._chunks_of(keys))
                         hinted = True
@@ -363,7 +363,7 @@ class EpochDataset(IterableDataset[Any]):
                     self._hint(order, segments, seg, a, self._chunks_of(keys))
             if held and not drop_last:
                 run = np.concatenate(pending)
-                out = self._batch(run, pool, row)
+                out = self._batch(run, pool, row, ahead=run)
                 self._yielded += len(run)
                 yield out
         finally:
@@ -759,8 +759,11 @@ class EpochDataset(IterableDataset[Any]):
         """The chunk each unit of ``keys`` starts in (for hints), and the samples."""
         raise NotImplementedError
 
-    def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
-        """The batch of units ``keys``, as a DataLoader collating them would make it."""
+    def _batch(
+        self, keys: np.ndarray, pool: batches.Pool, row: int, ahead: np.ndarray | None = None
+    ) -> Any:
+        """The batch of units ``keys``, as a DataLoader collating them would make it;
+        ``ahead``: units this process reads next (the block ``keys`` end in)."""
         raise NotImplementedError
 
     def _chunks_of(self, keys: np.ndarray) -> np.ndarray:

@@ -434,7 +434,9 @@ class MixedDataset(EpochDataset):
         yield from mixed_items(self.streams, streams, keys, self.tag)
 
     # -- whole batches (docs/streaming.md, "Mixing") -----------------------------------
-    def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
+    def _batch(
+        self, keys: np.ndarray, pool: batches.Pool, row: int, ahead: np.ndarray | None = None
+    ) -> Any:
         """The batch of slots ``keys``: each stream copies its rows from its mapped chunks
         into the rows of one buffer; collated from the items when their leaves differ."""
         row = pool.row  # counted on the row this process holds, not the one it preferred

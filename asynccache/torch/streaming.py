@@ -226,6 +226,8 @@ class StreamingDataset(EpochDataset):
             rows = max(1, min(self.index.num_chunks, _VERIFIED_ROWS))
             self.reader.shared_verified = VerifiedFiles(shared_bytes(rows * ROW * 8), _numpy)
         self._heads = HeadStart(self.source, self.index, settings)
+        # (block keys, their chunks, their positions): see _located_ahead
+        self._ahead_memo: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         super().__init__(
             settings,
             bool(drop_last),
@@ -361,9 +363,21 @@ class StreamingDataset(EpochDataset):
     def _chunks_of(self, keys: np.ndarray) -> np.ndarray:
         return self.unit_reader.chunks_of(keys)
 
-    def _batch(self, keys: np.ndarray, pool: batches.Pool, row: int) -> Any:
+    def _located_ahead(self, ahead: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The chunks and positions of units ``ahead`` (items), located once per block."""
+        if ahead is None or self.unit_reader.blocks is not None:
+            return None
+        memo = self._ahead_memo
+        if memo is None or memo[0] is not ahead:
+            memo = self._ahead_memo = (ahead, *self.index.locate_many(ahead))
+        return memo[1], memo[2]
+
+    def _batch(
+        self, keys: np.ndarray, pool: batches.Pool, row: int, ahead: np.ndarray | None = None
+    ) -> Any:
         """The batch of units ``keys``: assembled into one buffer when their leaves fit,
-        else the items read one by one and collated by ``default_collate``."""
+        else the items read one by one and collated by ``default_collate``. The headers
+        read with a chunk's are those of the items of ``ahead`` in it."""
         row = pool.row  # counted on the row this process holds, not the one it preferred
         n = len(keys)
         ur = self.unit_reader
@@ -392,11 +406,12 @@ class StreamingDataset(EpochDataset):
         parts = []
         form: Form | None = None
         taken: tuple[int, Any] | None = None  # (slot, buffer): rows copied chunk by chunk
+        near = self._located_ahead(ahead)
         for c in dict.fromkeys(chunks.tolist()):
             sel = np.nonzero(chunks == c)[0]
             cf = ur.chunk_forms(c)  # (waits for the chunk)
             pos = positions[sel]
-            f = cf.form_of(pos)
+            f = cf.form_of(pos, None if near is None else near[1][near[0] == c])
             if f is None or (form is not None and f != form):
                 return self._collated(keys, row, chunks, positions)
             if form is None:

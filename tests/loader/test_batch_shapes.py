@@ -450,6 +450,30 @@ def test_learning_a_chunk_reads_each_header_once(tmp_path, monkeypatch):
     same(batch_path(FormCache(1), chunks, picks), per_item(chunks, picks))
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_a_reader_of_part_of_a_chunk_reads_only_its_items_headers(tmp_path, large):
+    """After a chunk's first ask, a reader that names the items it reads next (``ahead``:
+    a worker's share of a shuffled window that other workers read too) learns those, not
+    the whole chunk; without ``ahead``, every item at the second ask."""
+    size = (20 << 10) if large else 8  # large: headers read from the file, else the mapping
+    items = [{"image": np.full(size, i, np.uint8), "label": i} for i in range(64)]
+    mm = write_chunk(tmp_path / "c.bin", items)
+    offsets = offsets_of(mm)
+    mine = np.arange(1, 64, 4)  # a quarter of the chunk, scattered
+    cf = FormCache(1).get(0, mm, offsets)
+    assert cf.form_of(mine[:4], ahead=mine) is not None
+    assert (cf.form_id != -2).sum() == 4  # the first ask: its own
+    assert cf.form_of(mine[4:8], ahead=mine) is not None
+    assert np.flatnonzero(cf.form_id != -2).tolist() == mine.tolist()
+    assert cf.form_of(mine[8:], ahead=mine) is not None  # nothing new to read
+    assert np.flatnonzero(cf.form_id != -2).tolist() == mine.tolist()
+    other = FormCache(1).get(0, mm, offsets)
+    assert other.form_of(mine[:4]) is not None and other.form_of(mine[4:8]) is not None
+    assert (other.form_id != -2).all()  # no ahead: the whole chunk at the second ask
+    picks = [(0, int(p)) for p in mine[::-1]]
+    same(batch_path(FormCache(1), [(mm, offsets)], picks), per_item([(mm, offsets)], picks))
+
+
 def test_the_next_mapping_of_a_chunk_reads_no_header(tmp_path, monkeypatch):
     """A chunk's forms outlive its mapping (the next epoch maps it again): the new mapping
     of the same file takes them up, reading no header; a chunk published again (another
@@ -549,6 +573,34 @@ def test_the_shapes_through_the_loader(shaped, name, workers, shuffle):
     stats = ds.batch_stats()
     assert stats["assembled"] + stats["collated"] == len(got)
     assert stats["collated"] == 0  # every shape assembled by the workers
+
+
+@pytest.mark.parametrize("name", ["image_label", "large"])
+def test_a_rank_s_share_of_a_shuffled_window_reads_its_own_headers(shaped, name, monkeypatch):
+    """A reader of a quarter of a shuffled epoch (rank 1 of 4; a worker sharing its window
+    with others reads so too) learns the headers of the items it reads, not every item of
+    the chunks it touches: each chunk's second ask read all of them, 4 readers each
+    reading every header of a window (22,764 header reads for 5,242 items, 8 workers)."""
+    from asynccache.read import batchread
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    learned: list[int] = []
+    real = batchread.ChunkForms._read
+    monkeypatch.setattr(
+        batchread.ChunkForms,
+        "_read",
+        lambda self, todo, rows, lens: learned.append(len(todo)) or real(self, todo, rows, lens),
+    )
+    ds = StreamingDataset(shaped[name], shuffle=True, seed=5, shuffle_window=5)
+    got = list(CacheDataLoader(ds, batch_size=BATCH, num_workers=0))
+    mine = sum(len(b["label"] if isinstance(b, dict) else b) for b in got)
+    assert mine == -(-N // 4) and ds.batch_stats()["collated"] == 0
+    assert sum(learned) == mine, learned  # (before: every item of the 5 chunks, 75)
+    ref = StreamingDataset(shaped[name], shuffle=True, seed=5, shuffle_window=5)
+    per_item_batches = list(CacheDataLoader(ref, batch_size=BATCH, collate_fn=collate_per_item))
+    for a, b in zip(got, per_item_batches, strict=True):
+        same(a, b)
 
 
 def test_items_one_by_one_hopping_between_chunks_are_built_once_per_chunk(shaped, monkeypatch):

@@ -59,10 +59,10 @@ def test_workers_end_with_an_epoch_that_raised_while_the_error_is_kept(fixed, ho
     if how != "items":
         build = ds._batch
 
-        def failing(keys: Any, *a: Any) -> Any:
+        def failing(keys: Any, *a: Any, **kw: Any) -> Any:
             if BAD in keys.tolist():
                 raise Boom(f"item {BAD}")
-            return build(keys, *a)
+            return build(keys, *a, **kw)
 
         ds._batch = failing  # type: ignore[method-assign]  (copied into the workers)
     got = 0
