@@ -528,6 +528,21 @@ class DatasetSource:
         # items must find connections free, not queue behind a prefetch window of parts.
         self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])
 
+    def plan_node(self, spec: EpochSpec) -> None:
+        """Compute the node's plan of the epoch ``spec`` names, and of the next, without
+        becoming a reader: DataLoader workers forked after this inherit them, rather than
+        each planning every reader of the node again (remote datasets only)."""
+        if not self.remote:
+            return
+        with self._mu:
+            plans = self._plans
+            if plans is None or not plans.same_way(spec):
+                plans = self._plans = PlanCache(self.index, spec)
+            else:
+                plans.follow(spec)
+            plans(spec.epoch, spec.variant(plans.total))
+            plans(spec.epoch + 1, 0)
+
     def _advance(self, conn: Connection, dl: Downloader, ci: int) -> None:
         """Before chunk ``ci`` is fetched: move this reader on in its plan, give back the
         pins of chunks it is done with, and hint what it reads next."""

@@ -454,6 +454,7 @@ class EpochDataset(IterableDataset[Any]):
             long_copy=self._lead_long_copy(runs),
             expect=lambda: self._lead_expect(runs),
             build=self._lead_batch,
+            before_fork=self._plan_node,
             stop_head=self._head_stop,
             done=lambda: self._lead_done(no),
         )
@@ -816,6 +817,10 @@ class EpochDataset(IterableDataset[Any]):
         """The lead batches ``runs`` read only cached chunks and are large enough that
         copying them takes longer than forking the workers: those fork first."""
         return False
+
+    def _plan_node(self) -> None:
+        """Before the workers fork: plan the node's readers of this epoch here, once,
+        for them to inherit."""
 
     def _head_start(self, p: Plan, order: Any, received: int) -> None:
         """Start the workers' first chunks here (see :class:`~.lead.HeadStart`)."""

@@ -246,6 +246,7 @@ class FirstBatches:
     long_copy: bool  # the batches are a long copy of cached chunks (or of a local dataset's)
     expect: Callable[[], None]
     build: Callable[[np.ndarray], Any]
+    before_fork: Callable[[], None]  # work forked workers inherit rather than each redo
     stop_head: Callable[[], None]
     done: Callable[[], None]
 

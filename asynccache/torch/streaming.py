@@ -509,6 +509,12 @@ class StreamingDataset(EpochDataset):
         place = reader_place(pr, self.epoch_total, world, logical, self.drop_last)
         self.source.plan_epoch(self.epoch_spec(place), skipped=self._skip + self._ahead)
 
+    def _plan_node(self) -> None:
+        world = self._world()
+        pr, _ = self._plan(world)
+        place = reader_place(pr, self.epoch_total, world, 0, self.drop_last)
+        self.source.plan_node(self.epoch_spec(place))
+
     def _hint(
         self, order: ReadOrder, segments: list[Segment], seg: Segment, a: int, chunks: Any
     ) -> None:

@@ -128,6 +128,7 @@ def led_forking(first: FirstBatches, loader: DataLoader[Any]) -> Iterator[Any]:
             it = iter(loader)  # forks the workers
         ready = first.build_all()
         if it is None:
+            first.before_fork()
             it = iter(loader)  # forks the workers
         while ready:
             yield ready.pop(0)  # (the consumer's now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import uuid
 from typing import Any
 
@@ -133,6 +134,47 @@ def test_the_second_worker_of_a_shuffled_cold_start_reads_nothing_by_range(
     assert ds.source.stats.range_gets > 0  # the first batch's
     # Only the first batch's chunks had their headers read by range.
     assert {p.rsplit("/", 1)[-1] for p in per_chunk} == led, (per_chunk, led)
+    ds.close()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_node_s_plan_is_made_once_for_the_forked_workers(
+    remote, objstore, tmp_path, monkeypatch, shuffle
+):
+    """Each worker planned every reader of its node (the eviction follows the node's plan):
+    8 workers on two cores made 64 reader plans an epoch, 8 times one's. The main process
+    now makes the node's plan of the epoch and the next before it forks the workers, which
+    inherit it and plan nothing; the epoch reads as before."""
+    from asynccache.read import readplan
+
+    log = tmp_path / "builds"
+    real = readplan.PlanCache._build
+
+    def build(self: Any, epoch: int, *a: Any) -> Any:
+        with open(log, "a") as f:  # (one short write each: appends do not interleave)
+            f.write(f"{os.getpid()} {epoch}\n")
+        return real(self, epoch, *a)
+
+    monkeypatch.setattr(readplan.PlanCache, "_build", build)  # (forked workers inherit it)
+    ds = StreamingDataset(
+        remote,
+        cache_dir=tmp_path / "c",
+        storage_options=objstore.storage_options,
+        settings=Settings.from_env(progress=False),
+        shuffle=shuffle,
+    )
+    dl = CacheDataLoader(ds, batch_size=BS, num_workers=3, multiprocessing_context="fork")
+    for epoch in range(2):
+        log.write_text("")
+        got = sorted(i for b in dl for i in b["i"].tolist())
+        assert got == list(range(N))
+        assert ds.lead_stats.epochs == epoch + 1  # (the plan is made where batches are led)
+        builds = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+        # Here only (a shuffled epoch's window is fitted to the budget here too, from plans
+        # of its own), each at most once per epoch of the two.
+        assert {pid for pid, _ in builds} == {os.getpid()}, builds
+        assert {e for _, e in builds} <= {epoch, epoch + 1}
+        assert len(builds) <= (4 if shuffle else 2), builds
     ds.close()
 
 
