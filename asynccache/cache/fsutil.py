@@ -19,6 +19,13 @@ def temp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells one file at a path from another put there later: device, inode, size,
+    modification and change time (ns). A file checked once is trusted by this, not by
+    its name."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
     """Make the names renamed into ``directory`` durable (a power loss keeps them)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

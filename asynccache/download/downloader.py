@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 
 from ..bridge import LoopThread, forksafe, get_loop_thread
+from ..cache.fsutil import file_identity
 from ..cache.layout import TempFile
 from ..cache.locks import in_thread, try_lock
 from ..cache.plan import Deferred
@@ -472,7 +473,7 @@ class Downloader:
         self.stats.hits += 1
         if self._verify_local and spec.checksum:
             known = self._verified.get(spec.name)
-            if known != _file_id(st):
+            if known != file_identity(st):
                 url = self.storage.object_url(spec.name)
                 self._verified[spec.name] = await asyncio.to_thread(_verify_path, path, spec, url)
         return path
@@ -1287,10 +1288,6 @@ def _matches(checksum: str, fd: int, size: int) -> bool:
     return file_checksum(fd, size) == checksum.lower()
 
 
-def _file_id(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _verify_path(path: str, spec: ChunkSpec, url: str) -> tuple[int, ...]:
     """Check the file at ``path`` against ``spec``; returns the identity of the file checked."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -1301,6 +1298,6 @@ def _verify_path(path: str, spec: ChunkSpec, url: str) -> tuple[int, ...]:
             raise ChecksumMismatchError(f"{url}: {size} bytes, index says {spec.size}")
         if spec.checksum and file_checksum(fd, size) != spec.checksum.lower():
             raise ChecksumMismatchError(f"{url}: xxh3_64 differs from the index")
-        return _file_id(st)
+        return file_identity(st)
     finally:
         os.close(fd)

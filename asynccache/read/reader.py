@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from ..bridge import forksafe
+from ..cache.fsutil import file_identity
 from ..cache.layout import reopens, shown_path
 from ..download import heap
 from ..download.ranges import RangeCheck
@@ -158,7 +159,7 @@ def map_chunk(
     with f:
         st = os.fstat(f.fileno())
         size = st.st_size
-        ident = (st.st_dev, st.st_ino, size, st.st_mtime_ns, st.st_ctime_ns)
+        ident = file_identity(st)
         if size != entry.bytes:
             raise TruncatedChunkError(
                 f"{shown}: file has {size} bytes but the index says {entry.bytes}"

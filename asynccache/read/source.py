@@ -508,11 +508,7 @@ class DatasetSource:
         conn = self._connect()
         dl = self._downloader_of(conn)
         with self._mu:
-            plans = self._plans
-            if plans is None or not plans.same_way(spec):
-                plans = self._plans = PlanCache(self.index, spec)
-            else:
-                plans.follow(spec)
+            plans = self._plans_for(spec)
             raise_if_disk_below(
                 self.url, str(dl.store.cache_dir), dl.store.disk_bytes(), self.index, spec
             )
@@ -528,6 +524,16 @@ class DatasetSource:
         # items must find connections free, not queue behind a prefetch window of parts.
         self._held_hint = (os.getpid(), [self.spec(c) for c in follow.upcoming(want)])
 
+    def _plans_for(self, spec: EpochSpec) -> PlanCache:
+        """The node's plans of the way ``spec`` reads, following ``spec``'s epoch (under
+        ``_mu``): those held, or new ones when the way changed."""
+        plans = self._plans
+        if plans is None or not plans.same_way(spec):
+            plans = self._plans = PlanCache(self.index, spec)
+        else:
+            plans.follow(spec)
+        return plans
+
     def plan_node(self, spec: EpochSpec) -> None:
         """Compute the node's plan of the epoch ``spec`` names, and of the next, without
         becoming a reader: DataLoader workers forked after this inherit them, rather than
@@ -535,11 +541,7 @@ class DatasetSource:
         if not self.remote:
             return
         with self._mu:
-            plans = self._plans
-            if plans is None or not plans.same_way(spec):
-                plans = self._plans = PlanCache(self.index, spec)
-            else:
-                plans.follow(spec)
+            plans = self._plans_for(spec)
             plans(spec.epoch, spec.variant(plans.total))
             plans(spec.epoch + 1, 0)
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -160,16 +161,23 @@ def test_checksum_mismatch_is_retried_within_the_budget_then_raised(tmp_path, lt
     assert len(storage.reads) == 3 + 1 and _files(store) == []  # retries=3
 
 
-def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
+def _local_dir(root: Path, files: dict[str, bytes]) -> DictStorage:
+    """A local storage over ``root``, holding ``files`` (read in place, never fetched)."""
+
     class LocalDir(DictStorage):
         is_local = True
 
         def local_path(self, key: str) -> str:
-            return str(tmp_path / "src" / key)
+            return str(root / key)
 
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "c.bin").write_bytes(b"abc")
-    storage = LocalDir({})
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return LocalDir({})
+
+
+def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
+    storage = _local_dir(tmp_path / "src", {"c.bin": b"abc"})
     store = ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20)
     dl = Downloader(storage, store, _settings(tmp_path), loop_thread=lt, verify_local=True)
     assert dl.ensure("c.bin", 3, _xx(b"abc")).result(10) == str(tmp_path / "src" / "c.bin")
@@ -183,16 +191,8 @@ def test_local_storage_is_read_in_place(tmp_path, lt) -> None:
 
 
 def test_a_local_file_replaced_under_its_name_is_verified_again(tmp_path, lt) -> None:
-    class LocalDir(DictStorage):
-        is_local = True
-
-        def local_path(self, key: str) -> str:
-            return str(tmp_path / "src" / key)
-
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "c.bin").write_bytes(b"abc")
     dl = Downloader(
-        LocalDir({}),
+        _local_dir(tmp_path / "src", {"c.bin": b"abc"}),
         ChunkStore(tmp_path / "ds", max_cache_bytes=1 << 20),
         _settings(tmp_path),
         loop_thread=lt,
